@@ -1,0 +1,64 @@
+"""The one true global gradient norm over a host's parameters and selzero subsets."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .errors import UsageError
+from .zero2 import SelectedZero2, WindowState
+
+__all__ = ["clip_grad_norm_", "global_grad_norm"]
+
+
+def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tensor,
+                     subsets: Iterable[SelectedZero2] = (), *, norm_type: float = 2.0
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], list[SelectedZero2]]:
+    """(total norm, host grads, subsets). Host gradients are taken as replicated (DDP averaged).
+
+    Each subset element counts once across the world: a ``normalize_over="group"`` subset is
+    summed over its group, an expert-parallel (``"world"``) subset's shards over the world, so
+    experts held by different groups are each counted once (DeepSpeed#8475 is the bug avoided).
+    """
+    if float(norm_type) != 2.0:
+        raise UsageError(f"clip_grad_norm_: norm_type={norm_type!r}; selzero computes the L2 "
+                         "norm only (norm_type=2.0).")
+    params = [host_parameters] if isinstance(host_parameters, torch.Tensor) else list(host_parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    subsets = list(subsets)
+    device = grads[0].device if grads else (subsets[0].comm.device if subsets else torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0)
+        total = total + torch.stack([n.float() for n in norms]).pow(2).sum()
+    world_sq = None
+    for sz in subsets:
+        if sz.state is not WindowState.REDUCED:
+            sz.reduce_gradients()
+        if sz.config.normalize_over == "world" and sz.world_comm is not sz.comm:
+            part = sz.local_grad_norm_squared().reshape(1)
+            world_sq = part.clone() if world_sq is None else world_sq + part
+        else:
+            total = total + sz.grad_norm_squared().to(device)
+    if world_sq is not None:
+        next(s for s in subsets if s.config.normalize_over == "world").world_comm.all_reduce(world_sq)
+        total = total + world_sq[0].to(device)
+    return total.sqrt(), grads, subsets
+
+
+def clip_grad_norm_(host_parameters: Iterable[torch.nn.Parameter] | torch.Tensor, max_norm: float,
+                    subsets: Iterable[SelectedZero2] = (), *, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip host gradients and every subset's reduced shards by the global norm; return the norm.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
+    Subsets that were not reduced yet are reduced here (``mean`` mode needs no arguments; call
+    ``reduce_gradients(weight=...)`` yourself first under ``weighted``).
+    """
+    total, grads, subsets = global_grad_norm(host_parameters, subsets, norm_type=norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    for sz in subsets:
+        sz.scale_gradients_(coef.to(sz.comm.device))
+    return total

@@ -1,0 +1,77 @@
+"""The contract: everything the ranks of a group must agree on, and the cross-rank check.
+
+The check costs one all-gather of a 32-byte digest per rank. Only on a mismatch do the ranks
+exchange the field lists of group rank 0 and of the first differing rank, so that every rank
+raises the same error naming that rank and the first field that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from .comm import Communicator
+from .errors import ContractError
+
+__all__ = ["Field", "check_contract", "first_difference", "digest"]
+
+Field = tuple[str, Any]  # (key, JSON-able value)
+
+
+def digest(fields: list[Field]) -> bytes:
+    return hashlib.sha256(_encode(fields)).digest()
+
+
+def _encode(fields: list[Field]) -> bytes:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def first_difference(a: list[Field], b: list[Field]) -> tuple[str, Any, Any]:
+    """(key, value in a, value in b) of the first field that differs; descends into dicts."""
+    for i in range(max(len(a), len(b))):
+        if i >= len(a) or i >= len(b):
+            key = (b if i >= len(a) else a)[i][0]
+            return key, _at(a, i), _at(b, i)
+        (ka, va), (kb, vb) = a[i], b[i]
+        if ka != kb:
+            return f"{ka} / {kb}", va, vb
+        if va != vb:
+            if isinstance(va, dict) and isinstance(vb, dict):
+                for sub in list(va) + [k for k in vb if k not in va]:
+                    if va.get(sub, "<absent>") != vb.get(sub, "<absent>"):
+                        return f"{ka}.{sub}", va.get(sub, "<absent>"), vb.get(sub, "<absent>")
+            return ka, va, vb
+    raise AssertionError("first_difference called on equal field lists")
+
+
+def _at(fields: list[Field], i: int) -> Any:
+    return fields[i][1] if i < len(fields) else "<absent>"
+
+
+def check_contract(comm: Communicator, fields: list[Field], *, what: str) -> None:
+    """Raise the same ContractError on every rank unless all ranks hold equal ``fields``."""
+    raw = digest(fields)
+    mine = torch.tensor([int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)],
+                        dtype=torch.int64, device=comm.device)
+    gathered = torch.zeros(4 * comm.size, dtype=torch.int64, device=comm.device)
+    comm.all_gather(gathered, mine)
+    rows = gathered.view(comm.size, 4).cpu()
+    differing = [r for r in range(comm.size) if not torch.equal(rows[r], rows[0])]
+    if not differing:
+        return
+    other = differing[0]
+    ref = _decode(comm.broadcast_bytes(_encode(fields), src=0))
+    theirs = _decode(comm.broadcast_bytes(_encode(fields), src=other))
+    key, v0, v1 = first_difference(ref, theirs)
+    raise ContractError(
+        f"[rank {comm.rank}/{comm.size}] {what}: group rank {other} differs from group rank 0 in "
+        f"{key!r}: rank 0 has {json.dumps(v0)}, rank {other} has {json.dumps(v1)} "
+        f"({len(differing)} rank(s) differ: {differing[:8]}). Every rank of the group must build "
+        "the same model, selection and optimizer settings.")
+
+
+def _decode(data: bytes) -> list[Field]:
+    return [(k, v) for k, v in json.loads(data.decode())]

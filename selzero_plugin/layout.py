@@ -1,0 +1,145 @@
+"""Chunk, pad and bucket arithmetic. Pure Python: no torch.distributed, no tensors.
+
+[Note: layout]
+Each selected trainable (virtual) parameter of ``numel`` elements is padded to
+``chunk_numel * N`` (``chunk_numel = ceil(numel / N)``) and split into N equal chunks; group rank
+r owns chunk r, whose *real* length is ``clamp(numel - r * chunk_numel, 0, chunk_numel)``.
+Padding exists only in communication buffers: the optimizer, the gradient shard and the
+checkpoint see real lengths only.
+
+Buckets gather whole parameters of one dtype (a fused expert tensor's virtual parameters always
+share a bucket, since its gradient arrives at once) and are numbered in reverse model order,
+the order in which backward produces gradients. A bucket's communication buffer is rank-major:
+row r (``row_numel`` elements) holds chunk r of every virtual parameter of the bucket, at
+``row_offsets[i]``; one reduce-scatter hands each rank its row, one all-gather rebuilds all rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EntrySpec", "VirtualSpec", "BucketSpec", "ShardSlot", "Layout", "plan_layout", "ceil_div"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What the layout needs to know of one selected trainable tensor."""
+
+    numel: int
+    dtype: str
+    num_experts: int = 1  # > 1: split into this many equal virtual parameters along dim 0
+
+
+@dataclass(frozen=True)
+class VirtualSpec:
+    index: int  # position in the global virtual-parameter order (presence vector)
+    entry: int  # index of the owning trainable entry
+    expert: int | None  # expert index when the entry is split, else None
+    flat_offset: int  # start of this virtual parameter in the entry's flattened tensor
+    numel: int  # real (unpadded) number of elements
+    chunk_numel: int  # ceil(numel / N): the padded chunk every rank gets
+
+    def real_chunk_numel(self, rank: int) -> int:
+        return max(0, min(self.chunk_numel, self.numel - rank * self.chunk_numel))
+
+    def chunk_start(self, rank: int) -> int:
+        """Offset of rank's chunk within the entry's flattened tensor."""
+        return self.flat_offset + rank * self.chunk_numel
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    index: int
+    dtype: str
+    entries: tuple[int, ...]  # trainable entry indices, in the order their hooks usually fire
+    virtuals: tuple[int, ...]  # virtual indices, in row order
+    row_offsets: tuple[int, ...]  # offset of each virtual's chunk within a rank row
+    row_numel: int  # padded elements per rank row
+
+
+@dataclass(frozen=True)
+class ShardSlot:
+    """Where a virtual parameter's real chunk lives in this rank's flat gradient shard."""
+
+    virtual: int
+    bucket: int
+    row_offset: int  # offset in the bucket's rank row (reduce-scatter output)
+    shard_offset: int  # offset in the rank's flat shard (real lengths only)
+    numel: int  # real length on this rank (> 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    virtuals: tuple[VirtualSpec, ...]
+    buckets: tuple[BucketSpec, ...]
+    entry_virtuals: tuple[tuple[int, ...], ...]  # virtual indices of each trainable entry
+    entry_bucket: tuple[int, ...]  # bucket index of each trainable entry
+
+    def shard_slots(self, rank: int) -> tuple[ShardSlot, ...]:
+        """This rank's non-empty chunks, in bucket order, packed without padding."""
+        slots: list[ShardSlot] = []
+        offset = 0
+        for bucket in self.buckets:
+            for v, row_offset in zip(bucket.virtuals, bucket.row_offsets):
+                n = self.virtuals[v].real_chunk_numel(rank)
+                if n > 0:
+                    slots.append(ShardSlot(v, bucket.index, row_offset, offset, n))
+                    offset += n
+        return tuple(slots)
+
+    def shard_numel(self, rank: int) -> int:
+        return sum(s.numel for s in self.shard_slots(rank))
+
+
+def plan_layout(entries: list[EntrySpec], world_size: int, bucket_bytes: int) -> Layout:
+    """Virtual parameters, chunks and buckets for ``entries`` (in model order) over N ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: expected >= 1")
+    virtuals: list[VirtualSpec] = []
+    entry_virtuals: list[tuple[int, ...]] = []
+    for e, spec in enumerate(entries):
+        per = spec.numel // spec.num_experts
+        assert per * spec.num_experts == spec.numel, "split entries divide evenly by construction"
+        ids = []
+        for x in range(spec.num_experts):
+            expert = x if spec.num_experts > 1 else None
+            virtuals.append(VirtualSpec(len(virtuals), e, expert, x * per, per,
+                                        ceil_div(per, world_size)))
+            ids.append(len(virtuals) - 1)
+        entry_virtuals.append(tuple(ids))
+
+    # Reverse model order; one open bucket per dtype, closed once it reaches bucket_bytes.
+    groups: list[tuple[str, list[int]]] = []
+    open_by_dtype: dict[str, tuple[list[int], list[int]]] = {}  # dtype -> (entries, [bytes])
+    for e in reversed(range(len(entries))):
+        dtype = entries[e].dtype
+        if dtype not in open_by_dtype:
+            members: list[int] = []
+            groups.append((dtype, members))
+            open_by_dtype[dtype] = (members, [0])
+        members, size = open_by_dtype[dtype]
+        members.append(e)
+        size[0] += sum(virtuals[v].chunk_numel for v in entry_virtuals[e]) * world_size * 4
+        if size[0] >= bucket_bytes:
+            del open_by_dtype[dtype]
+
+    buckets: list[BucketSpec] = []
+    entry_bucket = [0] * len(entries)
+    for b, (dtype, members) in enumerate(groups):
+        vids: list[int] = []
+        offsets: list[int] = []
+        row = 0
+        for e in members:
+            entry_bucket[e] = b
+            for v in entry_virtuals[e]:
+                vids.append(v)
+                offsets.append(row)
+                row += virtuals[v].chunk_numel
+        buckets.append(BucketSpec(b, dtype, tuple(members), tuple(vids), tuple(offsets), row))
+    return Layout(world_size, tuple(virtuals), tuple(buckets), tuple(entry_virtuals),
+                  tuple(entry_bucket))
