@@ -13,6 +13,7 @@ it would compute on the whole tensor. Optimizers whose update reads a whole matr
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,7 +145,9 @@ def build_optimizer(cls: type[torch.optim.Optimizer], plans: list[GroupPlan],
                     segments_of: list[list[nn.Parameter]],
                     defaults: dict[str, Any]) -> torch.optim.Optimizer:
     groups = [{"params": segs, **plan.hyper} for plan, segs in zip(plans, segments_of)]
-    return cls(groups, **defaults)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    return cls(groups, **{k: v for k, v in defaults.items() if takes_any or k in accepted})
 
 
 def refresh_from_host(optimizer: torch.optim.Optimizer, plans: list[GroupPlan],

@@ -26,13 +26,13 @@ class RankOutcome:
 
 
 def _child(fn: Callable, rank: int, world: int, init_file: str, queue: Any, args: tuple,
-           env: dict[str, str]) -> None:
+           env: dict[str, str], kwargs: dict[str, Any]) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     outcome = RankOutcome(rank)
     try:
-        outcome.value = fn(rank, world, *args)
+        outcome.value = fn(rank, world, *args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         outcome.error_type = type(e).__name__
         outcome.error_message = str(e)
@@ -49,13 +49,13 @@ def _child(fn: Callable, rank: int, world: int, init_file: str, queue: Any, args
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None) -> list[RankOutcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; raise on a hang."""
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[RankOutcome]:
+    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` spawned gloo ranks; raise on a hang."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(fn, r, world, init_file, queue, args, env or {}),
+        procs = [ctx.Process(target=_child, args=(fn, r, world, init_file, queue, args, env or {}, kwargs),
                              daemon=True) for r in range(world)]
         for p in procs:
             p.start()

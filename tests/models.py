@@ -37,7 +37,8 @@ class ToyMoE(nn.Module):
             idx = (routes == e).nonzero().flatten()
             if idx.numel():
                 y = y.index_add(0, idx, expert(h[idx]) * gates[idx, e:e + 1])
-        return self.out(h + y)
+        # the aux term keeps the router in the graph on ranks whose tokens reach no expert
+        return self.out(h + y) + 0.01 * gates.pow(2).sum(-1, keepdim=True)
 
 
 def make_batch(seed: int, rank: int, tokens: int = 6, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:
