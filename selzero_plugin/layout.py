@@ -79,6 +79,7 @@ class Layout:
     buckets: tuple[BucketSpec, ...]
     entry_virtuals: tuple[tuple[int, ...], ...]  # virtual indices of each trainable entry
     entry_bucket: tuple[int, ...]  # bucket index of each trainable entry
+    entry_row_offset: tuple[int, ...]  # offset of each entry's first chunk in its bucket's rows
 
     def shard_slots(self, rank: int) -> tuple[ShardSlot, ...]:
         """This rank's non-empty chunks, in bucket order, packed without padding."""
@@ -130,16 +131,18 @@ def plan_layout(entries: list[EntrySpec], world_size: int, bucket_bytes: int) ->
 
     buckets: list[BucketSpec] = []
     entry_bucket = [0] * len(entries)
+    entry_row_offset = [0] * len(entries)
     for b, (dtype, members) in enumerate(groups):
         vids: list[int] = []
         offsets: list[int] = []
         row = 0
         for e in members:
             entry_bucket[e] = b
+            entry_row_offset[e] = row
             for v in entry_virtuals[e]:
                 vids.append(v)
                 offsets.append(row)
                 row += virtuals[v].chunk_numel
         buckets.append(BucketSpec(b, dtype, tuple(members), tuple(vids), tuple(offsets), row))
     return Layout(world_size, tuple(virtuals), tuple(buckets), tuple(entry_virtuals),
-                  tuple(entry_bucket))
+                  tuple(entry_bucket), tuple(entry_row_offset))

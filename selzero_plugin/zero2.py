@@ -319,9 +319,8 @@ class SelectedZero2:
                        accumulate: bool = False) -> None:
         ids = self.layout.entry_virtuals[t]
         first = self.layout.virtuals[ids[0]]
-        row_offset = bucket.spec.row_offsets[bucket.spec.virtuals.index(ids[0])]
         copy_in(bucket.buffer.view(self.comm.size, bucket.spec.row_numel), flat,
-                row_offset=row_offset, experts=len(ids), per=first.numel,
+                row_offset=self.layout.entry_row_offset[t], experts=len(ids), per=first.numel,
                 chunk=first.chunk_numel, accumulate=accumulate)
 
     # ---- reduction points -----------------------------------------------------------------
@@ -598,7 +597,7 @@ class SelectedZero2:
                     ids = self.layout.entry_virtuals[t]
                     first = self.layout.virtuals[ids[0]]
                     copy_out(rows, self.trainable[t].param.data.view(-1),
-                             row_offset=spec.row_offsets[spec.virtuals.index(ids[0])],
+                             row_offset=self.layout.entry_row_offset[t],
                              experts=len(ids), per=first.numel, chunk=first.chunk_numel)
 
     # ---- gradient accumulation without communication --------------------------------------
