@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from .comm import Communicator
-from .errors import ContractError
+from . import errors
+from .errors import ContractError, SelZeroError
 
-__all__ = ["Field", "check_contract", "first_difference", "digest"]
+__all__ = ["Field", "check_contract", "agree_on_local_errors", "first_difference", "digest"]
 
 Field = tuple[str, Any]  # (key, JSON-able value)
 
@@ -75,3 +76,21 @@ def check_contract(comm: Communicator, fields: list[Field], *, what: str) -> Non
 
 def _decode(data: bytes) -> list[Field]:
     return [(k, v) for k, v in json.loads(data.decode())]
+
+
+def agree_on_local_errors(comm: Communicator, error: SelZeroError | None, *, what: str) -> None:
+    """If any rank failed a local check, raise that rank's error (same class) on every rank."""
+    flags = torch.zeros(comm.size, dtype=torch.int64, device=comm.device)
+    flags[comm.rank] = int(error is not None)
+    comm.all_reduce(flags)
+    failed = flags.nonzero().flatten().tolist()
+    if not failed:
+        return
+    first = failed[0]
+    payload = f"{type(error).__name__}\n{error}".encode() if error is not None else None
+    name, _, message = comm.broadcast_bytes(payload, src=first).decode().partition("\n")
+    cls = getattr(errors, name, ContractError)
+    if not (isinstance(cls, type) and issubclass(cls, SelZeroError)):
+        cls = ContractError
+    raise cls(f"[rank {comm.rank}/{comm.size}] {what} failed on group rank {first}"
+              f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}: {message}")

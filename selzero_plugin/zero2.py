@@ -34,8 +34,9 @@ from torch import nn
 
 from .comm import Communicator, group_ranks
 from .config import SelZeroConfig
-from .contract import Field, check_contract
-from .errors import (MissingGradientError, NonFiniteGradientError, SelectionError, UsageError)
+from .contract import Field, agree_on_local_errors, check_contract
+from .errors import (MissingGradientError, NonFiniteGradientError, SelectionError, SelZeroError,
+                     UsageError)
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
 from .optim import (GroupPlan, build_optimizer, check_elementwise, jsonable, plan_groups,
                     plan_groups_from_host, qualified_name, refresh_from_host,
@@ -96,34 +97,25 @@ class SelectedZero2:
                              "dist.init_process_group(...) first (a group of one rank works too).")
         self.config = config
         self.model = model
-        entries = resolve_selection(model, params=list(config.params), modules=list(config.modules),
-                                    expert_dim=config.expert_dim)
-        self.entries = entries
-        self._dtypes = {e.name: e.param.dtype for e in entries}
-        self.trainable = [e for e in entries if not e.frozen]
-        for e in self.trainable:
-            if e.param.numel() == 0 or not e.param.is_contiguous():
-                raise SelectionError(f"parameter {e.name!r} (shape {tuple(e.param.shape)}) must be a "
-                                     "non-empty contiguous tensor; call .contiguous() on it or leave "
-                                     "it out of `params`.")
-        device = entries[0].param.device if entries else _default_device()
+        device = _model_device(model)
+        # The communicator comes first, so that a rank whose local checks fail can tell the
+        # others (agree_on_local_errors) instead of leaving them waiting in a collective.
         self.comm = Communicator.create(group_ranks(group), timeout_s=config.timeout_s, device=device)
         world = dist.get_world_size()
         self.world_comm = (self.comm if self.comm.size == world or config.normalize_over == "group"
                            else Communicator.create(list(range(world)), timeout_s=config.timeout_s,
                                                     device=device))
-        self.layout = plan_layout(
-            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
-             for e in self.trainable],
-            self.comm.size, int(config.bucket_mb * 2 ** 20))
-
-        self.host_optimizer, opt_cls, defaults, plans = self._resolve_optimizer(
-            optimizer, optimizer_kwargs or {})
+        error: SelZeroError | None = None
+        try:
+            opt_cls, defaults, plans = self._build_local(optimizer, optimizer_kwargs or {})
+        except SelZeroError as e:
+            error = e
+        agree_on_local_errors(self.comm, error, what="SelectedZero2 construction")
         self._opt_cls, self._plans = opt_cls, plans
 
         check_contract(self.comm, self._contract_fields(opt_cls, plans), what="SelectedZero2 contract")
         if config.broadcast:
-            for e in entries:
+            for e in self.entries:
                 self._broadcast_param(e.param)
 
         self._build_shard(plans, opt_cls, defaults)
@@ -131,7 +123,7 @@ class SelectedZero2:
         self._sync = True
         self._local: dict[int, torch.Tensor] = {}  # no_sync accumulation, full size FP32
         self._micro_presence = torch.zeros(len(self.layout.virtuals), dtype=torch.int64,
-                                           device=device)
+                                           device=self.comm.device)
         self._window_presence = torch.zeros_like(self._micro_presence)
         self._active_any = False
         self._shard_stale = True  # grad_shard holds a previous window's values
@@ -142,6 +134,27 @@ class SelectedZero2:
                        for t, e in enumerate(self.trainable)]
 
     # ---- construction helpers -------------------------------------------------------------
+
+    def _build_local(self, optimizer: Any, kwargs: dict[str, Any]
+                     ) -> tuple[type, dict[str, Any], list[GroupPlan]]:
+        """Selection, layout and optimizer plan: local work that may fail on one rank only."""
+        config = self.config
+        entries = resolve_selection(self.model, params=list(config.params),
+                                    modules=list(config.modules), expert_dim=config.expert_dim)
+        self.entries = entries
+        self._dtypes = {e.name: e.param.dtype for e in entries}
+        self.trainable = [e for e in entries if not e.frozen]
+        for e in self.trainable:
+            if e.param.numel() == 0 or not e.param.is_contiguous():
+                raise SelectionError(f"parameter {e.name!r} (shape {tuple(e.param.shape)}) must be a "
+                                     "non-empty contiguous tensor; call .contiguous() on it or leave "
+                                     "it out of `params`.")
+        self.layout = plan_layout(
+            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
+             for e in self.trainable],
+            self.comm.size, int(config.bucket_mb * 2 ** 20))
+        self.host_optimizer, opt_cls, defaults, plans = self._resolve_optimizer(optimizer, kwargs)
+        return opt_cls, defaults, plans
 
     def _resolve_optimizer(self, optimizer: Any, kwargs: dict[str, Any]
                            ) -> tuple[torch.optim.Optimizer | None, type, dict[str, Any],
@@ -691,7 +704,10 @@ def _describe_code(code: int, mode: str) -> str:
     return f"{text} [{_ERR_TEXT[err]} under reduction={mode!r}]" if err else text
 
 
-def _default_device() -> torch.device:
-    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+def _model_device(model: nn.Module) -> torch.device:
+    """Where control tensors live: the model's device, or the current GPU under NCCL."""
+    for p in model.parameters():
+        return p.device
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
