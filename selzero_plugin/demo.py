@@ -1,0 +1,335 @@
+"""``selzero demo``: a small MoE trained on local gloo processes, with a short report.
+
+``launch()`` starts ``nproc`` workers with torch's own launcher (``python -m
+torch.distributed.run``); each worker (``worker()``, this module's ``__main__``) trains
+``DemoMoE`` with SelectedZero2 on the experts, DDP (``wrap_ddp``) on the rest and AdamW on both.
+Rank 0 prints per-rank memory of the experts' gradients and optimizer state next to what DDP +
+AdamW would hold for them, the loss, and how many updates were skipped for absent experts.
+
+[Note: demo routing]
+Routing is top-1 by a token's topic (hash routing, as in "Hash Layers for Large Sparse
+Models"), so which experts get tokens is set by the data: reproducible and uneven. Each rank's
+data leans on different topics, topics 5-6 are rare, and topic 7 never occurs, so on a given
+step some experts get tokens on one rank only, some on none, and expert 7 gets none in the whole
+run. That last one shows the presence rule: no gradient anywhere means no update, no weight
+decay, no step count; DDP + AdamW would decay it every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import SelZeroConfig
+from .ddp import wrap_ddp
+from .zero2 import SelectedZero2
+
+__all__ = ["launch", "worker", "DemoMoE", "DemoConfig"]
+
+NUM_EXPERTS = 8
+_TOPIC_WEIGHTS = {  # per rank parity: rank 0 leans on topics 0-2, rank 1 on 2-4; 5-6 rare; 7 never
+    0: [8.0, 6.0, 4.0, 1.0, 1.0, 0.15, 0.1, 0.0],
+    1: [1.0, 1.0, 4.0, 6.0, 8.0, 0.1, 0.15, 0.0],
+}
+
+
+# ---- launcher ---------------------------------------------------------------------------
+
+
+def launch(nproc: int, steps: int, out: str | None) -> int:
+    """Run the demo on ``nproc`` local gloo processes; return the launcher's exit code."""
+    if nproc < 1 or steps < 2:
+        print(f"selzero demo: need --nproc >= 1 and --steps >= 2 (got {nproc}, {steps}).",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": "1",  # also keeps torchrun from warning that it sets it
+        "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        "PYTHONUNBUFFERED": "1",
+    })
+    with tempfile.TemporaryDirectory(prefix="selzero-demo-") as tmp:
+        folder = out if out is not None else os.path.join(tmp, "checkpoint")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+               "--log-dir", os.path.join(tmp, "logs"), "--redirects=0",
+               "-m", "selzero_plugin.demo", "--steps", str(steps), "--out", folder]
+        return subprocess.call(cmd, env=env)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- the model --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    dim: int = 30
+    """Model width (not a multiple of 4, so chunks do not divide evenly)."""
+    hidden: int = 75
+    """Expert hidden width."""
+    layers: int = 2
+    tokens: int = 12
+    """Tokens per rank per step."""
+    lr: float = 5e-3
+    weight_decay: float = 0.1
+
+
+class DemoExpert(nn.Module):
+    """One expert, an explicit module: selzero sees four parameters per expert."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(dim, hidden)
+        self.w_out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_out(nn.functional.gelu(self.w_in(x)))
+
+
+class DemoMoELayer(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, NUM_EXPERTS)
+        self.experts = nn.ModuleList(DemoExpert(dim, hidden) for _ in range(NUM_EXPERTS))
+
+    def forward(self, h: torch.Tensor, topics: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        gates = torch.softmax(self.router(x), dim=-1)
+        y = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (topics == e).nonzero().flatten()
+            if idx.numel():  # an expert without tokens gets no gradient at all
+                y = y.index_add(0, idx, expert(x[idx]) * gates[idx, e:e + 1])
+        return h + y
+
+
+class DemoMoE(nn.Module):
+    """Dense input and output layers (DDP) around ``layers`` MoE layers (experts: selzero)."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__()
+        self.inp = nn.Linear(cfg.dim, cfg.dim)
+        self.layers = nn.ModuleList(DemoMoELayer(cfg.dim, cfg.hidden) for _ in range(cfg.layers))
+        self.out = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor, topics: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, topics)
+        return self.out(h)
+
+
+def _batch(step: int, rank: int, cfg: DemoConfig,
+           teacher: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens of one rank at one step: topic-dependent inputs, a per-topic linear target."""
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    weights = torch.tensor(_TOPIC_WEIGHTS[rank % 2])
+    topics = torch.multinomial(weights, cfg.tokens, replacement=True, generator=g)
+    x = teacher["centers"][topics] + 0.5 * torch.randn(cfg.tokens, cfg.dim, generator=g)
+    y = torch.einsum("tij,tj->ti", teacher["maps"][topics], x)
+    return x, y, topics
+
+
+def _teacher(cfg: DemoConfig) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {"centers": torch.randn(NUM_EXPERTS, cfg.dim, generator=g),
+            "maps": torch.randn(NUM_EXPERTS, cfg.dim, cfg.dim, generator=g) / cfg.dim ** 0.5}
+
+
+# ---- the worker -------------------------------------------------------------------------
+
+
+def worker(steps: int, out: str) -> None:
+    """One rank of the demo (started by torchrun: RANK, WORLD_SIZE, MASTER_* are set)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg = DemoConfig()
+        torch.manual_seed(0)
+        model = DemoMoE(cfg)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sz_config = SelZeroConfig(params=["layers.*.experts.*"])
+        sz = SelectedZero2(model, sz_config, torch.optim.AdamW,
+                           {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
+        ddp = wrap_ddp(model, sz)
+        selected = {id(e.param) for e in sz.entries}
+        host_opt = torch.optim.AdamW([p for p in model.parameters() if id(p) not in selected],
+                                     lr=cfg.lr, weight_decay=cfg.weight_decay)
+        teacher = _teacher(cfg)
+        losses = torch.zeros(steps, dtype=torch.float64)
+        skipped = updated = 0
+        started = time.perf_counter()
+        for step in range(steps):
+            x, y, topics = _batch(step, rank, cfg, teacher)
+            loss = (ddp(x, topics) - y).pow(2).mean()
+            loss.backward()
+            host_opt.step()
+            result = sz.step()
+            host_opt.zero_grad(set_to_none=True)
+            losses[step] = loss.item()
+            skipped += result.skipped_absent
+            updated += result.updated
+        train_s = time.perf_counter() - started
+
+        dist.all_reduce(losses)
+        losses /= world
+        report = sz.memory_report()
+        mine = torch.tensor([report.grad_shard + report.optimizer_state + report.master,
+                             report.ideal_total], dtype=torch.int64)
+        per_rank = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(per_rank, mine)
+        replicas_agree = _replicas_agree(model)
+        dead = [n for n in initial if ".experts.7." in n]
+        dead_untouched = all(torch.equal(initial[n], p) for n, p in model.named_parameters()
+                             if n in dead)
+        checkpoint_lines = _checkpoint_round_trip(sz, sz_config, cfg, model, out)
+
+        if rank == 0:
+            expert_params = [e.param for e in sz.trainable]
+            _print_table(world=world, steps=steps, cfg=cfg, per_rank=per_rank,
+                         expert_params=expert_params, losses=losses, skipped=skipped,
+                         updated=updated, dead_untouched=dead_untouched,
+                         replicas_agree=replicas_agree, train_s=train_s,
+                         checkpoint_lines=checkpoint_lines)
+        failures = []
+        if not replicas_agree:
+            failures.append("ranks disagree on the parameters after training")
+        if not dead_untouched:
+            failures.append("an expert that never received a token changed")
+        if not losses[-1] < losses[0]:
+            failures.append(f"loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        failed = torch.tensor([len(failures)])
+        dist.all_reduce(failed)  # every rank exits with the same verdict; also a tiny last
+        # collective, safer than a gloo barrier before teardown
+        if int(failed):
+            raise RuntimeError(f"[rank {rank}/{world}] selzero demo failed: "
+                               + ("; ".join(failures) or "another rank failed"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _replicas_agree(model) -> bool:
+    """Every rank holds the same parameters (max and min of a checksum agree)."""
+    total = sum(float(p.detach().double().sum()) + float(p.detach().double().abs().sum())
+                for p in model.parameters())
+    hi = torch.tensor([total], dtype=torch.float64)
+    lo = -hi.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+    return float(hi) == -float(lo)
+
+
+def _checkpoint_round_trip(sz, sz_config, cfg: DemoConfig, model, out: str) -> list[str]:
+    """Save selzero's state, reload it into a fresh instance, and check the parameters match.
+
+    ``SelectedZero2.save_checkpoint`` / ``load_checkpoint`` come with the checkpoint feature; until
+    they exist this reports that and does nothing.
+    """
+    if not (hasattr(sz, "save_checkpoint") and hasattr(sz, "load_checkpoint")):
+        return ["checkpoint: skipped (save_checkpoint/load_checkpoint not available in this build)"]
+    folder = Path(out) / sz_config.name
+    sz.save_checkpoint(str(folder))
+    torch.manual_seed(1)  # different initial weights, so a match proves the load
+    fresh_model = DemoMoE(cfg)
+    fresh = SelectedZero2(fresh_model, sz_config, torch.optim.AdamW,
+                          {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
+    fresh.load_checkpoint(str(folder))
+    names = set(sz.trainable_names)
+    trained = dict(model.named_parameters())
+    match = all(torch.equal(p, trained[n]) for n, p in fresh_model.named_parameters() if n in names)
+    flag = torch.tensor([0 if match else 1])
+    dist.all_reduce(flag)
+    fresh.remove_hooks()
+    if int(flag):
+        raise RuntimeError(f"selzero demo failed: parameters reloaded from {folder} differ from "
+                           "the trained ones")
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    return [f"checkpoint: saved {len(files)} files ({_kib(size)}) to {folder}: "
+            + ", ".join(p.name for p in files),
+            "            reloaded into a fresh SelectedZero2: expert parameters match exactly"]
+
+
+# ---- the report -------------------------------------------------------------------------
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def _print_table(*, world: int, steps: int, cfg: DemoConfig, per_rank, expert_params, losses,
+                 skipped: int, updated: int, dead_untouched: bool, replicas_agree: bool,
+                 train_s: float, checkpoint_lines: list[str]) -> None:
+    numel = sum(p.numel() for p in expert_params)
+    # DDP + AdamW hold, for every expert parameter on every rank: the full FP32 gradient, exp_avg
+    # and exp_avg_sq of the same size, and a one-element step tensor.
+    ddp_bytes = sum(3 * p.numel() * p.element_size() + 4 for p in expert_params)
+    per_expert = len(expert_params) // (cfg.layers * NUM_EXPERTS)
+    lines = [
+        f"selzero demo: {world} processes (gloo), {cfg.layers} MoE layers x {NUM_EXPERTS} experts, "
+        f"top-1 routing, AdamW, {steps} steps",
+        f"expert parameters (selzero): {numel:,} in {len(expert_params)} tensors; "
+        "everything else: DDP",
+        "",
+        "per-rank bytes of expert gradients + optimizer state",
+        f"  {'rank':<6}{'selzero':>14}{'DDP + AdamW':>16}{'ratio':>8}",
+    ]
+    for r, t in enumerate(per_rank):
+        held = int(t[0])
+        lines.append(f"  {r:<6}{_kib(held):>14}{_kib(ddp_bytes):>16}{held / ddp_bytes:>8.2f}")
+    lines.append(f"  (selzero holds 1/{world} of each gradient and moment, and no state for an "
+                 "expert not yet updated)")
+    skipped_experts = skipped // per_expert
+    lines += [
+        "",
+        f"loss (mean over ranks)   step 1: {float(losses[0]):.4f}   "
+        f"step {steps}: {float(losses[-1]):.4f}",
+        f"expert updates skipped (expert absent on every rank): {skipped_experts} of "
+        f"{(skipped + updated) // per_expert} ({skipped} parameter updates)",
+        f"expert 7 (never routed): {'bit-identical to its start' if dead_untouched else 'CHANGED'}"
+        "; DDP + AdamW would have decayed it every step",
+        f"replicas identical after training: {'yes' if replicas_agree else 'NO'}",
+        *checkpoint_lines,
+        f"training time: {train_s:.1f} s",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _quiet() -> None:
+    """Hide other libraries' warnings (torch's deprecation notes etc.); selzero's still show."""
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"selzero_plugin(\..*)?")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m selzero_plugin.demo",
+                                     description="one rank of `selzero demo` (run by torchrun)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", required=True, help="folder for the demo's checkpoint")
+    args = parser.parse_args(argv)
+    _quiet()
+    worker(args.steps, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
