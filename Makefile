@@ -1,8 +1,10 @@
-# `make demo` and `make test` set up .venv themselves (CPU torch first; GPU users override TORCH_SPEC).
+# `make demo` and `make test` set up .venv themselves (CPU torch first; GPU users override TORCH_SPEC
+# and/or TORCH_INDEX, e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128").
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 EXTRAS ?= all
 STAMP := $(VENV)/.installed
 
@@ -13,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(TORCH_INDEX)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
