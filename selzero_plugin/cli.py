@@ -21,6 +21,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     demo.add_argument("--out", default=None,
                       help="folder for the demo's checkpoint (default: a temporary folder)")
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint folder; --verify checks it")
+    inspect.add_argument("folder", help="a checkpoint folder (holds manifest.json)")
+    inspect.add_argument("--verify", action="store_true",
+                         help="check every shard's presence, size, sha256 and tensors "
+                              "(exit code 1 on any problem)")
+
+    reshard = sub.add_parser("reshard", help="rewrite a checkpoint for a group of M ranks")
+    reshard.add_argument("folder", help="the checkpoint folder to read")
+    reshard.add_argument("--world-size", type=int, required=True,
+                         help="number of ranks of the new group")
+    reshard.add_argument("--out", required=True, help="the folder to write (created)")
+
+    consolidate = sub.add_parser(
+        "consolidate", help="full per-parameter FP32 values and optimizer state in one file")
+    consolidate.add_argument("folder", help="the checkpoint folder to read")
+    consolidate.add_argument("--out", required=True, help="the .safetensors file to write")
+    consolidate.add_argument("--torch-state-dict", default=None, metavar="OUT.pt",
+                             help="also write a torch.optim state dict (pickle; parameter indices "
+                                  "follow selected_names)")
     return parser
 
 
@@ -30,6 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import launch
 
         return launch(nproc=args.nproc, steps=args.steps, out=args.out)
+    if args.command in ("inspect", "reshard", "consolidate"):
+        from . import checkpoint_tools as tools
+
+        if args.command == "inspect":
+            return tools.run_inspect(args.folder, verify_shards=args.verify)
+        if args.command == "reshard":
+            return tools.run_reshard(args.folder, world_size=args.world_size, out=args.out)
+        return tools.run_consolidate(args.folder, out=args.out,
+                                     torch_state_dict=args.torch_state_dict)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -26,6 +26,7 @@ import contextlib
 import enum
 import logging
 import math
+import os
 from typing import Any, Iterator
 
 import torch
@@ -640,6 +641,22 @@ class SelectedZero2:
                     if view.data_ptr() != seg.data.data_ptr():
                         seg.data = view
         self._load_masters()
+
+    # ---- checkpoints (format, checks and the atomic swap: checkpoint.py, atomic.py) ----------
+
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
+        """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
+        staged beside ``folder`` and put in place by one rank once complete."""
+        from .checkpoint import save_checkpoint  # imported on use: training never needs it
+
+        save_checkpoint(self, folder)
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
+        """Every rank calls it: restores optimizer state and the subset's parameter values; all
+        ranks load, or all raise the same CheckpointError and keep their state."""
+        from .checkpoint import load_checkpoint
+
+        load_checkpoint(self, folder)
 
     def memory_report(self) -> MemoryReport:
         """Per-rank bytes of gradient shard, optimizer state and masters, from live storages."""

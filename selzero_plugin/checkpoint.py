@@ -1,0 +1,572 @@
+"""selzero's checkpoint: one safetensors shard per group rank plus a JSON manifest.
+
+[Note: checkpoint format]
+A checkpoint folder (DESIGN.md section 2) holds
+
+- ``shard-{rank:05d}-of-{world:05d}.safetensors`` per group rank. For every selected trainable
+  *virtual* parameter of which the rank holds a non-empty chunk, in virtual-parameter order:
+  ``{key}/value``, the FP32 chunk (the master for bf16/fp16 parameters, the parameter's own
+  elements for fp32 ones), then, if the optimizer has state for it, every state tensor in
+  sorted key order: ``{key}/exp_avg``, ``{key}/step``, ... Elementwise state is the chunk's 1-D
+  slice; scalar state (``step``, NAdam's ``mu_product``) is a 0-dim tensor repeated in every
+  shard that holds a chunk (the step count therefore travels with the parameter: torch keeps it
+  per parameter, and presence makes it differ between experts).
+- ``manifest.json``, written last (see [Note: atomic save] in atomic.py).
+
+``key`` is the canonical parameter name; a fused expert tensor split with ``expert_dim=0`` gives
+one virtual parameter per expert, keyed ``{name}[expert {e}]`` (the spelling selzero's error
+messages use), e.g. ``mlp.experts.gate_up_proj[expert 3]/exp_avg``. Chunking: a virtual
+parameter of ``numel`` elements is cut into ``chunk = ceil(numel / group_size)`` elements per
+rank; rank r holds ``[r * chunk, min((r + 1) * chunk, numel))`` (nothing when that is empty).
+Padding is never saved. Frozen parameters are described in the contract but hold no state and no
+value (they do not change). A virtual parameter the optimizer never stepped (an expert that
+never got a token) has a value and no state (``"stateful": false`` in the manifest), exactly as
+in the live optimizer.
+
+Loading checks, in this order and on every rank (DESIGN.md section 2): manifest present and
+readable, format version, group size, contract (names, aliases, shapes, dtypes, frozen flags,
+expert split), optimizer class and state keys, then this rank's shard (present, byte size,
+sha256, the tensors the manifest implies). The ranks agree on the verdict (the first failing
+rank's error is raised on every rank) before anything changes. Then each rank copies its values
+into its segments and state into its optimizer, and one all-gather rebuilds the full
+parameters, so every rank holds the saved values. Runtime settings (lr and the other
+hyperparameters, ``bucket_mb``, ``reduction``, ``timeout_s``) are this run's, not the saved
+ones: the manifest records them for reference only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+import torch
+from torch import nn
+
+from .atomic import (MANIFEST_NAME, crash_point, fsync_file, leftover_stagings, make_staging,
+                     previous_folder, put_in_place, refuse_to_replace)
+from .contract import agree_on_local_errors
+from .errors import CheckpointError, SelZeroError, UsageError
+from .layout import ceil_div
+from .optim import GroupPlan, build_optimizer, jsonable, qualified_name
+from .safetensors_io import (DTYPE_CODES, StreamingWriter, TensorPlan, dtype_from_name,
+                             dtype_name, read_header, sha256_file)
+
+if TYPE_CHECKING:
+    from .zero2 import SelectedZero2
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "CHUNKING",
+           "shard_file_name", "virtual_key", "tensor_key", "chunk_range", "StateSpec",
+           "VirtualRecord", "Manifest", "read_manifest", "write_manifest", "resolve_folder",
+           "shard_plan", "consolidated_plan", "whats", "check_shard", "save_checkpoint",
+           "load_checkpoint"]
+
+FORMAT = "selzero-checkpoint"
+FORMAT_VERSION = 1
+VALUE = "value"
+ELEMENTWISE, SCALAR = "elementwise", "scalar"
+CHUNKING = ("flat; chunk = ceil(numel / group_size); group rank r holds elements "
+            "[r * chunk, min((r + 1) * chunk, numel)); padding is not saved")
+_T = TypeVar("_T")
+
+
+def shard_file_name(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def virtual_key(name: str, expert: int | None) -> str:
+    return name if expert is None else f"{name}[expert {expert}]"
+
+
+def tensor_key(key: str, what: str) -> str:
+    return f"{key}/{what}"
+
+
+def chunk_range(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """(start, length) of ``rank``'s real chunk of a ``numel``-element virtual parameter."""
+    chunk = ceil_div(numel, world)
+    start = rank * chunk
+    return start, max(0, min(chunk, numel - start))
+
+
+# ---- the manifest, parsed -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One optimizer state key: per element (``elementwise``) or one value (``scalar``)."""
+
+    kind: str
+    dtype: torch.dtype
+
+    def to_json(self) -> dict[str, str]:
+        return {"kind": self.kind, "dtype": dtype_name(self.dtype)}
+
+
+@dataclass(frozen=True)
+class VirtualRecord:
+    """One selected trainable (virtual) parameter as the checkpoint stores it."""
+
+    key: str
+    entry: str  # canonical name of the selected tensor
+    expert: int | None
+    numel: int
+    shape: tuple[int, ...]
+    group: int  # optimizer param group
+    stateful: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "entry": self.entry, "expert": self.expert, "numel": self.numel,
+                "group": self.group, "stateful": self.stateful}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's manifest.json, checked for shape; ``raw`` is the JSON object itself."""
+
+    raw: dict[str, Any]
+    group_size: int
+    entries: list[dict[str, Any]]
+    virtuals: list[VirtualRecord]
+    optimizer_class: str
+    group_state: list[dict[str, StateSpec]]
+    group_hyper: list[dict[str, Any]]
+    shards: list[dict[str, Any]]
+
+    @classmethod
+    def from_json(cls, raw: Any, *, where: str) -> "Manifest":
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise CheckpointError(f"{where}: not a selzero checkpoint manifest (expected "
+                                  f"\"format\": \"{FORMAT}\").")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: checkpoint format version {version!r}; this selzero reads version "
+                f"{FORMAT_VERSION}. Load it with the selzero version that wrote it "
+                f"(package_version {raw.get('package_version')!r}).")
+        try:
+            return cls._parse(raw)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e}); the "
+                                  "file was edited or damaged. Restore it from the save.") from None
+
+    @classmethod
+    def _parse(cls, raw: dict[str, Any]) -> "Manifest":
+        entries = list(raw["contract"]["entries"])
+        shapes = {e["name"]: [int(d) for d in e["shape"]] for e in entries}
+        groups = raw["optimizer"]["param_groups"]
+        group_state = [{k: StateSpec(str(s["kind"]), dtype_from_name(s["dtype"]))
+                        for k, s in g["state"].items()} for g in groups]
+        virtuals = []
+        for v in raw["virtuals"]:
+            shape = shapes[v["entry"]] if v["expert"] is None else shapes[v["entry"]][1:]
+            group = int(v["group"])
+            if not 0 <= group < len(groups):
+                raise IndexError(f"virtual {v['key']!r} names optimizer group {group}")
+            virtuals.append(VirtualRecord(str(v["key"]), str(v["entry"]), v["expert"],
+                                          int(v["numel"]), tuple(shape), group,
+                                          bool(v["stateful"])))
+        return cls(raw, int(raw["group_size"]), entries, virtuals, str(raw["optimizer"]["class"]),
+                   group_state, [dict(g["hyperparameters"]) for g in groups],
+                   list(raw["shards"]))
+
+    def shard_record(self, rank: int) -> dict[str, Any] | None:
+        return next((s for s in self.shards if s.get("rank") == rank), None)
+
+    def with_group_size(self, world: int, shards: list[dict[str, Any]]) -> "Manifest":
+        raw = copy.deepcopy(self.raw)
+        raw["group_size"] = world
+        raw["shards"] = shards
+        return Manifest.from_json(raw, where="resharded manifest")
+
+
+def read_manifest(folder: Path) -> Manifest:
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder}: no {MANIFEST_NAME}. It is written last, so this is an incomplete save (a "
+            "crash or a partial copy) or not a selzero checkpoint; use a complete checkpoint.")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e}); the manifest is "
+                              "damaged. Restore it from the save.") from None
+    return Manifest.from_json(raw, where=str(path))
+
+
+def write_manifest(folder: Path, raw: dict[str, Any]) -> None:
+    path = folder / MANIFEST_NAME
+    path.write_text(json.dumps(raw, indent=1) + "\n")
+    fsync_file(path)
+
+
+def resolve_folder(folder: Path) -> tuple[Path, list[str]]:
+    """The folder to load (``folder``, or ``<folder>.previous`` after an interrupted replace)
+    and the warnings to give. Raises CheckpointError when neither is complete."""
+    notes = []
+    leftovers = leftover_stagings(folder)
+    if leftovers:
+        notes.append(f"unfinished save(s) beside {folder}: {', '.join(p.name for p in leftovers)}."
+                     " They were never put in place (a save was interrupted) and are ignored; the "
+                     "next save of this folder deletes them.")
+    if (folder / MANIFEST_NAME).is_file():
+        return folder, notes
+    previous = previous_folder(folder)
+    if (previous / MANIFEST_NAME).is_file():
+        notes.append(f"{folder} holds no complete checkpoint: a save was interrupted while "
+                     f"replacing it. Loading the previous complete checkpoint, {previous}.")
+        return previous, notes
+    if folder.is_dir():
+        read_manifest(folder)  # raises: incomplete save
+    raise CheckpointError(f"no checkpoint at {folder}: the folder does not exist. Check the path "
+                          "(every rank must see the same folder).")
+
+
+# ---- what a shard / a consolidated file holds -----------------------------------------------
+
+
+def whats(manifest: Manifest, v: VirtualRecord) -> list[str]:
+    """The tensors stored for virtual parameter ``v``, in file order."""
+    return [VALUE] + (sorted(manifest.group_state[v.group]) if v.stateful else [])
+
+
+def _spec(manifest: Manifest, v: VirtualRecord, what: str) -> StateSpec:
+    return StateSpec(ELEMENTWISE, torch.float32) if what == VALUE else \
+        manifest.group_state[v.group][what]
+
+
+def shard_plan(manifest: Manifest, rank: int) -> list[tuple[TensorPlan, VirtualRecord, str]]:
+    """The tensors of group rank ``rank``'s shard, in file order."""
+    plan = []
+    for v in manifest.virtuals:
+        _, length = chunk_range(v.numel, manifest.group_size, rank)
+        if length == 0:
+            continue
+        for what in whats(manifest, v):
+            spec = _spec(manifest, v, what)
+            shape = (length,) if spec.kind == ELEMENTWISE else ()
+            plan.append((TensorPlan(tensor_key(v.key, what), spec.dtype, shape), v, what))
+    return plan
+
+
+def consolidated_plan(manifest: Manifest) -> list[tuple[TensorPlan, VirtualRecord, str]]:
+    """Full per-parameter tensors (virtual shape), in file order."""
+    plan = []
+    for v in manifest.virtuals:
+        for what in whats(manifest, v):
+            spec = _spec(manifest, v, what)
+            shape = v.shape if spec.kind == ELEMENTWISE else ()
+            plan.append((TensorPlan(tensor_key(v.key, what), spec.dtype, shape), v, what))
+    return plan
+
+
+def check_shard(folder: Path, manifest: Manifest, rank: int, *, checksum: bool = True) -> Path:
+    """Present, full size, matching sha256, and holding exactly the planned tensors."""
+    name = shard_file_name(rank, manifest.group_size)
+    record = manifest.shard_record(rank)
+    if record is None or record.get("file") != name:
+        raise CheckpointError(f"{folder}/{MANIFEST_NAME}: no record of shard {name} for group "
+                              f"rank {rank}; the manifest is damaged.")
+    path = folder / name
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete (group rank {rank}'s "
+                              "shard). Copy the checkpoint folder whole, or save again.")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest records {record['bytes']}; the "
+                              "file is truncated or was replaced. Restore it from the save.")
+    if checksum and sha256_file(path) != record["sha256"]:
+        raise CheckpointError(f"{path}: sha256 differs from the manifest's ({record['sha256'][:16]}"
+                              "...); the file is corrupt. Restore it from the save.")
+    try:
+        header, _ = read_header(path)
+    except Exception as e:  # noqa: BLE001 - any decode failure means a damaged file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}).") from None
+    expected = {p.name: (DTYPE_CODES[p.dtype], p.shape) for p, _, _ in shard_plan(manifest, rank)}
+    if header != expected:
+        missing = sorted(set(expected) - set(header))
+        extra = sorted(set(header) - set(expected))
+        wrong = sorted(k for k in set(expected) & set(header) if expected[k] != header[k])
+        raise CheckpointError(f"{path}: does not hold the tensors its manifest describes (missing "
+                              f"{missing[:3]}, unexpected {extra[:3]}, wrong dtype/shape "
+                              f"{wrong[:3]}); the folder mixes files of different saves.")
+    return path
+
+
+# ---- this run, described like a manifest -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSchema:
+    """What a SelectedZero2 instance would write: compared against a manifest on load."""
+
+    entries: list[dict[str, Any]]
+    virtuals: list[VirtualRecord]  # stateful=False: the live state decides at save time
+    optimizer_class: str
+    group_state: list[dict[str, StateSpec]]
+
+
+def describe_run(sz: "SelectedZero2") -> RunSchema:
+    entries = [{"name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
+                "dtype": dtype_name(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts}
+               for e in sz.entries]
+    group_of_entry = {t: g for g, plan in enumerate(sz._plans) for t in plan.members}
+    virtuals = []
+    for spec in sz.layout.virtuals:
+        e = sz.trainable[spec.entry]
+        shape = tuple(e.param.shape) if spec.expert is None else tuple(e.param.shape[1:])
+        virtuals.append(VirtualRecord(virtual_key(e.name, spec.expert), e.name, spec.expert,
+                                      spec.numel, shape, group_of_entry[spec.entry], False))
+    state = [probe_state(sz._opt_cls, plan.hyper, sz.optimizer.defaults, sz.comm.device)
+             for plan in sz._plans]
+    return RunSchema(entries, virtuals, qualified_name(sz._opt_cls), state)
+
+
+def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
+                defaults: dict[str, Any], device: torch.device) -> dict[str, StateSpec]:
+    """The state keys one step of ``cls`` creates, found by stepping a throwaway parameter."""
+    dummy = nn.Parameter(torch.zeros(3, device=device))
+    optimizer = build_optimizer(cls, [GroupPlan(dict(hyper), [])], [[dummy]], defaults)
+    dummy.grad = torch.zeros_like(dummy)
+    optimizer.step()
+    specs = {}
+    for key, value in optimizer.state[dummy].items():
+        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPE_CODES:
+            raise CheckpointError(f"optimizer {qualified_name(cls)} keeps state {key!r} as "
+                                  f"{type(value).__name__}; selzero checkpoints hold tensors only.")
+        if value.dim() == 0:
+            specs[key] = StateSpec(SCALAR, value.dtype)
+        elif value.shape == dummy.shape:
+            specs[key] = StateSpec(ELEMENTWISE, value.dtype)
+        else:
+            raise CheckpointError(f"optimizer {qualified_name(cls)} keeps state {key!r} of shape "
+                                  f"{list(value.shape)} for a parameter of shape [3]: it is not "
+                                  "elementwise and cannot be sharded.")
+    return specs
+
+
+def _check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where: str) -> None:
+    """Group size, contract, optimizer class and state keys (the order of DESIGN.md section 2)."""
+    if manifest.group_size != group_size:
+        raise CheckpointError(
+            f"{where} was saved by a group of {manifest.group_size} rank(s); this group has "
+            f"{group_size}. selzero does not reshard implicitly: run `selzero reshard {where} "
+            f"--world-size {group_size} --out NEW_FOLDER` and load NEW_FOLDER.")
+    _check_entries(manifest.entries, run.entries, where)
+    saved_keys = [(v.key, v.numel) for v in manifest.virtuals]
+    if saved_keys != [(v.key, v.numel) for v in run.virtuals]:
+        raise CheckpointError(f"{where}: the manifest's virtual parameters do not follow from its "
+                              "own contract; the manifest is damaged.")
+    if manifest.optimizer_class != run.optimizer_class:
+        raise CheckpointError(
+            f"{where} holds state of optimizer {manifest.optimizer_class}; this run uses "
+            f"{run.optimizer_class}. Build SelectedZero2 with {manifest.optimizer_class} to resume, "
+            "or `selzero consolidate` the checkpoint and convert the state yourself.")
+    for saved, current in zip(manifest.virtuals, run.virtuals):
+        s, c = manifest.group_state[saved.group], run.group_state[current.group]
+        if s != c:
+            raise CheckpointError(
+                f"{where}: parameter {saved.key!r} was saved with optimizer state "
+                f"{_describe_state(s)}; this run's {run.optimizer_class} makes "
+                f"{_describe_state(c)}. Use the optimizer settings of the saving run (momentum, "
+                "amsgrad, ...).")
+
+
+_FIX = {
+    "shape": "build the model with the configuration of the saving run",
+    "dtype": "cast the model as the saving run did, before building SelectedZero2",
+    "aliases": "tie the same parameters as the saving run",
+    "frozen": "set requires_grad as the saving run did",
+    "experts": "use the saving run's expert_dim and number of experts",
+}
+
+
+def _check_entries(saved: list[dict[str, Any]], current: list[dict[str, Any]], where: str) -> None:
+    saved_names = [e["name"] for e in saved]
+    current_names = [e["name"] for e in current]
+    if saved_names != current_names:
+        only_saved = [n for n in saved_names if n not in current_names]
+        only_here = [n for n in current_names if n not in saved_names]
+        detail = (f"only in the checkpoint: {only_saved[:5]}; only selected here: {only_here[:5]}"
+                  if only_saved or only_here else "the same names in another order")
+        raise CheckpointError(f"{where}: the selected parameters differ ({detail}). Select the same "
+                              "parameters (config params/modules) as the saving run.")
+    for s, c in zip(saved, current):
+        for field, fix in _FIX.items():
+            if s.get(field) != c[field]:
+                raise CheckpointError(f"{where}: parameter {c['name']!r}: the checkpoint has "
+                                      f"{field} {json.dumps(s.get(field))}, this run has "
+                                      f"{json.dumps(c[field])}; {fix}.")
+
+
+def _describe_state(specs: dict[str, StateSpec]) -> str:
+    return "{" + ", ".join(f"{k}: {s.kind} {dtype_name(s.dtype)}" for k, s in sorted(specs.items())) \
+        + "}"
+
+
+# ---- save ----------------------------------------------------------------------------------
+
+
+def _local(fn: Callable[..., _T], *args: Any) -> tuple[_T | None, SelZeroError | None]:
+    """Run a rank-local phase; any failure becomes an error to agree on (never a hang)."""
+    try:
+        return fn(*args), None
+    except SelZeroError as e:
+        return None, e
+    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
+        return None, CheckpointError(f"{type(e).__name__}: {e}")
+
+
+def save_checkpoint(sz: "SelectedZero2", folder: str | Path) -> None:
+    """Every rank of the group calls this; see [Note: checkpoint format] and [Note: atomic save]."""
+    folder = Path(folder)
+    comm = sz.comm
+    what = f"save_checkpoint({folder})"
+    run, error = _local(describe_run, sz)
+    staging = None
+    if comm.rank == 0 and error is None:
+        staging, error = _local(_prepare_staging, folder)
+    agree_on_local_errors(comm, error, what=what)
+    staging = Path(comm.broadcast_bytes(str(staging).encode() if comm.rank == 0 else None).decode())
+    try:
+        record, error = _local(_write_shard, sz, run, staging)
+        agree_on_local_errors(comm, error, what=what)
+        records = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
+        if comm.rank == 0:
+            _, error = _local(_finish, sz, run, records, staging, folder)
+        agree_on_local_errors(comm, error, what=what)
+    except SelZeroError:
+        if comm.rank == 0 and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _prepare_staging(folder: Path) -> Path:
+    reason = refuse_to_replace(folder)
+    if reason is not None:
+        raise CheckpointError(reason)
+    return make_staging(folder)
+
+
+def _write_shard(sz: "SelectedZero2", run: RunSchema, staging: Path) -> dict[str, Any]:
+    rank, world = sz.comm.rank, sz.comm.size
+    items: list[tuple[str, torch.Tensor]] = []
+    stateful: list[int] = []
+    for i in sorted(range(len(sz.slots)), key=lambda i: sz.slots[i].virtual):
+        slot, seg = sz.slots[i], sz.segments[i]
+        v = run.virtuals[slot.virtual]
+        items.append((tensor_key(v.key, VALUE), seg.detach()))
+        state = sz.optimizer.state.get(seg) or {}
+        if not state:
+            continue
+        specs = run.group_state[v.group]
+        if set(state) != set(specs):
+            raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(state)}, expected "
+                                  f"{sorted(specs)} from one step of {run.optimizer_class}.")
+        stateful.append(slot.virtual)
+        for key in sorted(specs):
+            tensor = state[key].detach()
+            if specs[key].kind == ELEMENTWISE:
+                tensor = tensor.reshape(-1)
+            items.append((tensor_key(v.key, key), tensor))
+    name = shard_file_name(rank, world)
+    plan = [TensorPlan(k, t.dtype, tuple(t.shape)) for k, t in items]
+    with StreamingWriter(staging / name, plan, {"format": "pt"}) as writer:
+        for n, (key, tensor) in enumerate(items):
+            writer.write(key, tensor)
+            if n == 0:
+                writer.flush()
+                crash_point("mid_shard")
+        if not items:
+            crash_point("mid_shard")
+        size, digest = writer.close()
+    return {"rank": rank, "file": name, "bytes": size, "sha256": digest, "stateful": stateful}
+
+
+def _finish(sz: "SelectedZero2", run: RunSchema, records: list[dict[str, Any]], staging: Path,
+            folder: Path) -> None:
+    stateful = {v for r in records for v in r["stateful"]}
+    virtuals = [VirtualRecord(v.key, v.entry, v.expert, v.numel, v.shape, v.group,
+                              i in stateful).to_json() for i, v in enumerate(run.virtuals)]
+    cfg = sz.config
+    from . import __version__
+
+    raw = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "package_version": __version__,
+        "name": cfg.name,
+        "group_size": sz.comm.size,
+        "contract": {"entries": run.entries, "chunking": CHUNKING},
+        "virtuals": virtuals,
+        "optimizer": {"class": run.optimizer_class, "param_groups": [
+            {"hyperparameters": jsonable(plan.hyper),
+             "state": {k: s.to_json() for k, s in sorted(state.items())}}
+            for plan, state in zip(sz._plans, run.group_state)]},
+        "normalization": {"reduction": cfg.reduction, "normalize_over": cfg.normalize_over,
+                          "missing_grad": cfg.missing_grad, "nonfinite": cfg.nonfinite},
+        "config": cfg.to_dict(),
+        "shards": [{k: r[k] for k in ("rank", "file", "bytes", "sha256")}
+                   for r in sorted(records, key=lambda r: r["rank"])],
+    }
+    Manifest.from_json(raw, where="manifest being written")  # the writer checks its own output
+    write_manifest(staging, raw)
+    put_in_place(staging, folder)
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+
+def load_checkpoint(sz: "SelectedZero2", folder: str | Path) -> None:
+    """Every rank calls this: all ranks load, or all raise the same error and keep their state."""
+    folder = Path(folder)
+    comm = sz.comm
+    checked, error = _local(_check_for_load, sz, folder)
+    agree_on_local_errors(comm, error, what=f"load_checkpoint({folder})")
+    path, manifest, shard, notes = checked
+    for note in notes:
+        warnings.warn(f"[rank {comm.rank}/{comm.size}] load_checkpoint({folder}): {note}",
+                      stacklevel=3)
+    _apply(sz, manifest, shard)
+
+
+def _check_for_load(sz: "SelectedZero2", folder: Path
+                    ) -> tuple[Path, Manifest, Path, list[str]]:
+    from .zero2 import WindowState
+
+    if sz.state in (WindowState.OPEN, WindowState.AWAITING_CLOSE, WindowState.REDUCED):
+        raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
+                         f"state {sz.state.value}); call it before training or right after step().")
+    path, notes = resolve_folder(folder)
+    manifest = read_manifest(path)
+    _check_against_run(manifest, describe_run(sz), sz.comm.size, str(path))
+    shard = check_shard(path, manifest, sz.comm.rank)
+    return path, manifest, shard, notes
+
+
+def _apply(sz: "SelectedZero2", manifest: Manifest, shard: Path) -> None:
+    """Values into segments, state into the optimizer, then all-gather the full parameters."""
+    from .safetensors_io import LazyShard
+
+    sz.sync_from_params()  # re-bind fp32 segments if the host replaced parameter storage
+    optimizer = sz.optimizer
+    index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with LazyShard(shard) as reader, torch.no_grad():
+        for slot, seg in zip(sz.slots, sz.segments):
+            v = manifest.virtuals[slot.virtual]
+            seg.detach().copy_(reader.read(tensor_key(v.key, VALUE)))
+            if v.stateful:
+                state[index[id(seg)]] = {
+                    key: reader.read(tensor_key(v.key, key)).reshape(
+                        seg.shape if spec.kind == ELEMENTWISE else ())
+                    for key, spec in manifest.group_state[v.group].items()}
+    current = optimizer.state_dict()
+    # This run's hyperparameters stay (runtime settings); only the state is replaced.
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    sz._all_gather([True] * len(sz.layout.virtuals))
+    sz._discard_window()

@@ -1,0 +1,424 @@
+"""Offline checkpoint tools: inspect / verify, reshard (N -> M ranks), consolidate, torch export.
+
+[Note: streaming tools]
+Reshard and consolidate never hold more than one tensor of one parameter in full (plus the
+chunk being copied and constant overhead): ``iter_full_state`` assembles a virtual parameter's
+value, then each of its state tensors, one at a time from the input shards, and the writers
+(``StreamingWriter``, whose headers are planned from the manifest before any data) append each
+slice as it comes. Input files are read through ``LazyShard``, so mapped pages do not accumulate
+either. Only the ``--torch-state-dict`` export holds the whole subset's state: a pickled
+``torch.optim`` state dict has no other form.
+
+The consolidated file is one safetensors file keyed like the shards (``{key}/value``,
+``{key}/exp_avg``, ...) with full virtual-parameter shapes (an expert of a fused ``(E, a, b)``
+tensor is ``(a, b)``), and the manifest minus group size and shard list in its metadata
+(``selzero``). It does not depend on the group size, so consolidating before and after a
+reshard gives byte-identical files.
+
+The torch export is ``{"state": {i: {...}}, "param_groups": [{..., "params": [i, ...]}]}`` where
+``i`` is the parameter's index in ``selected_names`` (the manifest's ``contract.entries`` order,
+frozen parameters included, so a frozen one's index is simply absent). Each group lists its
+members in that order; groups without members are left out. Build the optimizer with the same
+groups over the same parameters to ``load_state_dict`` it. Fused experts are merged back into
+the whole ``(E, ...)`` tensor: elementwise state is stacked (zeros for an expert that was never
+stepped), and a scalar state such as ``step``, one per expert in selzero, becomes the value of
+the expert with the most steps; when the experts disagree the export warns, since torch keeps
+one step count per tensor and cannot express the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from .atomic import (MANIFEST_NAME, is_staging, make_staging, previous_folder, put_in_place,
+                     refuse_to_replace)
+from .checkpoint import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard,
+                         chunk_range, consolidated_plan, read_manifest, shard_file_name,
+                         shard_plan, tensor_key, whats, write_manifest)
+from .errors import CheckpointError
+from .safetensors_io import LazyShard, StreamingWriter
+
+__all__ = ["open_checkpoint", "verify", "iter_full_state", "write_sharded", "reshard",
+           "consolidate", "export_torch_state_dict", "inspect", "InspectReport", "run_inspect",
+           "run_reshard", "run_consolidate"]
+
+
+def _progress(iterable: Iterable[Any], *, total: int, desc: str, unit: str) -> Iterable[Any]:
+    """A tqdm bar on a terminal; the bare iterable otherwise (logs stay clean)."""
+    if not sys.stderr.isatty():
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr)
+
+
+def open_checkpoint(folder: str | os.PathLike[str]) -> tuple[Path, Manifest]:
+    """Exactly ``folder`` (offline tools do not fall back to ``<folder>.previous``)."""
+    path = Path(folder)
+    if is_staging(path):
+        raise CheckpointError(f"{path} is the staging folder of an unfinished save (it was never put "
+                              "in place); it is not a checkpoint. Delete it.")
+    if not path.is_dir():
+        hint = ""
+        if (previous_folder(path) / MANIFEST_NAME).is_file():
+            hint = (f" {previous_folder(path)} holds the last complete checkpoint (a save was "
+                    "interrupted while replacing it).")
+        raise CheckpointError(f"no checkpoint at {path}: the folder does not exist.{hint}")
+    return path, read_manifest(path)
+
+
+def verify(folder: Path, manifest: Manifest) -> list[str]:
+    """Problems found in the shards (missing, size, sha256, tensors); empty when all is well."""
+    problems = []
+    for rank in _progress(range(manifest.group_size), total=manifest.group_size, desc="verify",
+                          unit="shard"):
+        try:
+            check_shard(folder, manifest, rank)
+        except CheckpointError as e:
+            problems.append(str(e))
+    expected = {shard_file_name(r, manifest.group_size) for r in range(manifest.group_size)}
+    stray = sorted(p.name for p in folder.glob("shard-*.safetensors") if p.name not in expected)
+    if stray:
+        problems.append(f"{folder}: shard files of another group size are mixed in: {stray[:4]}")
+    return problems
+
+
+def _require_valid(folder: Path, manifest: Manifest) -> None:
+    problems = verify(folder, manifest)
+    if problems:
+        raise CheckpointError(f"{folder} failed verification; nothing was written: "
+                              + " | ".join(problems))
+
+
+# ---- streaming full state -------------------------------------------------------------------
+
+
+def iter_full_state(folder: Path, manifest: Manifest
+                    ) -> Iterator[tuple[VirtualRecord, str, torch.Tensor]]:
+    """(virtual parameter, what, full flat tensor or 0-dim scalar) in file order, one at a time."""
+    n = manifest.group_size
+    readers = [LazyShard(folder / shard_file_name(r, n)) for r in range(n)]
+    try:
+        for v in _progress(manifest.virtuals, total=len(manifest.virtuals), desc="parameters",
+                           unit="param"):
+            owners = [r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0]
+            for what in whats(manifest, v):
+                key = tensor_key(v.key, what)
+                if what != VALUE and manifest.group_state[v.group][what].kind == SCALAR:
+                    yield v, what, _agreed_scalar(readers, owners, key)
+                    continue
+                full = None
+                for r in owners:
+                    start, length = chunk_range(v.numel, n, r)
+                    part = readers[r].read(key)
+                    if full is None:
+                        full = torch.empty(v.numel, dtype=part.dtype)
+                    full[start:start + length].copy_(part)
+                    del part
+                yield v, what, full
+                del full
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def _agreed_scalar(readers: list[LazyShard], owners: list[int], key: str) -> torch.Tensor:
+    first = readers[owners[0]].read(key)
+    for r in owners[1:]:
+        if not torch.equal(readers[r].read(key), first):
+            raise CheckpointError(f"{key}: the shards of group ranks {owners[0]} and {r} hold "
+                                  "different values of this scalar state; the checkpoint mixes "
+                                  "saves.")
+    return first
+
+
+def write_sharded(out: Path, manifest: Manifest,
+                  stream: Iterable[tuple[VirtualRecord, str, torch.Tensor]]) -> Manifest:
+    """Write ``manifest``'s shards (its group size) from full tensors in file order, then the
+    manifest, and put the folder in place atomically. Returns the manifest written."""
+    reason = refuse_to_replace(out)
+    if reason is not None:
+        raise CheckpointError(reason)
+    n = manifest.group_size
+    staging = make_staging(out)
+    writers: list[StreamingWriter] = []
+    try:
+        for r in range(n):
+            writers.append(StreamingWriter(staging / shard_file_name(r, n),
+                                           [p for p, _, _ in shard_plan(manifest, r)],
+                                           {"format": "pt"}))
+        for v, what, full in stream:
+            for r in range(n):
+                start, length = chunk_range(v.numel, n, r)
+                if length:
+                    writers[r].write(tensor_key(v.key, what),
+                                     full if full.dim() == 0 else full[start:start + length])
+        records = []
+        for r, writer in enumerate(writers):
+            size, digest = writer.close()
+            records.append({"rank": r, "file": shard_file_name(r, n), "bytes": size,
+                            "sha256": digest})
+        written = manifest.with_group_size(n, records)
+        write_manifest(staging, written.raw)
+        put_in_place(staging, out)
+        return written
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def reshard(folder: str | os.PathLike[str], world_size: int, out: str | os.PathLike[str]) -> Path:
+    """Rewrite a checkpoint for a group of ``world_size`` ranks into ``out`` (streaming)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointError(f"--world-size {world_size!r}: expected a positive integer.")
+    path, manifest = open_checkpoint(folder)
+    _require_valid(path, manifest)
+    target = manifest.with_group_size(world_size, [])
+    write_sharded(Path(out), target, iter_full_state(path, manifest))
+    return Path(out)
+
+
+# ---- consolidate and export -----------------------------------------------------------------
+
+
+def consolidated_metadata(manifest: Manifest) -> dict[str, str]:
+    raw = {k: v for k, v in manifest.raw.items() if k not in ("group_size", "shards")}
+    return {"format": "pt", "selzero": json.dumps(raw, sort_keys=True, separators=(",", ":"))}
+
+
+def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                torch_state_dict: str | os.PathLike[str] | None = None) -> Path:
+    """Full per-parameter FP32 values and optimizer state in one safetensors file (streaming)."""
+    path, manifest = open_checkpoint(folder)
+    _require_valid(path, manifest)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        with StreamingWriter(partial, [p for p, _, _ in consolidated_plan(manifest)],
+                             consolidated_metadata(manifest)) as writer:
+            for v, what, full in iter_full_state(path, manifest):
+                writer.write(tensor_key(v.key, what), full if full.dim() == 0 else full.view(v.shape))
+            writer.close()
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    if torch_state_dict is not None:
+        export_torch_state_dict(out, torch_state_dict)
+    return out
+
+
+def read_consolidated_manifest(path: str | os.PathLike[str]) -> Manifest:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "selzero" not in meta:
+        raise CheckpointError(f"{path}: not a consolidated selzero file (no 'selzero' metadata).")
+    raw = json.loads(meta["selzero"])
+    raw.update({"group_size": 1, "shards": []})
+    return Manifest.from_json(raw, where=str(path))
+
+
+def export_torch_state_dict(consolidated: str | os.PathLike[str],
+                            out: str | os.PathLike[str]) -> Path:
+    """The ``torch.optim`` state dict of [Note: streaming tools] (the only pickle selzero writes)."""
+    manifest = read_consolidated_manifest(consolidated)
+    members: list[list[int]] = [[] for _ in manifest.group_hyper]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    uneven: list[str] = []
+    with safe_open(str(consolidated), framework="pt") as f:
+        for index, entry in enumerate(manifest.entries):
+            virtuals = [v for v in manifest.virtuals if v.entry == entry["name"]]
+            if not virtuals:
+                continue  # frozen: no state
+            members[virtuals[0].group].append(index)
+            merged = _merged_state(f, manifest, virtuals, entry, uneven)
+            if merged:
+                state[index] = merged
+    if uneven:
+        warnings.warn(f"torch export: the experts of {uneven[:5]} were stepped a different number "
+                      "of times; torch keeps one step count per tensor, so each takes the count of "
+                      "its most-stepped expert (bias correction of the others changes).",
+                      stacklevel=2)
+    groups = [{**hyper, "params": ids} for hyper, ids in zip(manifest.group_hyper, members) if ids]
+    out = Path(out)
+    torch.save({"state": state, "param_groups": groups}, out)
+    return out
+
+
+def _merged_state(f: Any, manifest: Manifest, virtuals: list[VirtualRecord],
+                  entry: dict[str, Any], uneven: list[str]) -> dict[str, torch.Tensor]:
+    stepped = [v for v in virtuals if v.stateful]
+    if not stepped:
+        return {}
+    specs = manifest.group_state[virtuals[0].group]
+    if len(virtuals) == 1:
+        return {k: f.get_tensor(tensor_key(virtuals[0].key, k)) for k in sorted(specs)}
+    scalars = {k: [f.get_tensor(tensor_key(v.key, k)) for v in stepped]
+               for k, s in specs.items() if s.kind == SCALAR}
+    lead = 0
+    if "step" in scalars:
+        steps = scalars["step"]
+        lead = max(range(len(stepped)), key=lambda i: float(steps[i]))
+        if len(stepped) < len(virtuals) or any(not torch.equal(s, steps[0]) for s in steps):
+            uneven.append(entry["name"])
+    merged = {}
+    for key, spec in sorted(specs.items()):
+        if spec.kind == SCALAR:
+            merged[key] = scalars[key][lead]
+        else:
+            merged[key] = torch.stack([
+                f.get_tensor(tensor_key(v.key, key)) if v.stateful
+                else torch.zeros(v.shape, dtype=spec.dtype) for v in virtuals])
+    return merged
+
+
+# ---- inspect --------------------------------------------------------------------------------
+
+
+@dataclass
+class InspectReport:
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def inspect(folder: str | os.PathLike[str], *, verify_shards: bool = False) -> InspectReport:
+    """The manifest in human terms; with ``verify_shards``, every shard's size, sha256, tensors."""
+    report = InspectReport()
+    try:
+        path, manifest = open_checkpoint(folder)
+    except CheckpointError as e:
+        report.problems.append(str(e))
+        return report
+    raw, n = manifest.raw, manifest.group_size
+    total = sum(int(s["bytes"]) for s in manifest.shards)
+    report.lines += [
+        f"selzero checkpoint {path}",
+        f"  format {raw['format_version']}, written by selzero {raw.get('package_version')}, "
+        f"instance {raw.get('name')!r}",
+        f"  group size {n} rank(s); {len(manifest.shards)} shard(s), {_size(total)}",
+        f"  optimizer {manifest.optimizer_class}",
+    ]
+    for g, (hyper, specs) in enumerate(zip(manifest.group_hyper, manifest.group_state)):
+        count = len({v.entry for v in manifest.virtuals if v.group == g})
+        state = ", ".join(f"{k} ({s.kind})" for k, s in sorted(specs.items())) or "none"
+        report.lines.append(f"    group {g}: {count} parameter(s); "
+                            f"{', '.join(f'{k}={v}' for k, v in sorted(hyper.items()))}; "
+                            f"state: {state}")
+    norm = raw.get("normalization", {})
+    report.lines.append("  normalization: " + ", ".join(f"{k}={v}" for k, v in norm.items()))
+    report.lines += _parameter_lines(path, manifest)
+    if verify_shards:
+        problems = verify(path, manifest)
+        report.problems += problems
+        if not problems:
+            report.lines.append(f"  verify: OK, {n} shard(s) complete (size, sha256, tensors)")
+    return report
+
+
+def _parameter_lines(path: Path, manifest: Manifest) -> list[str]:
+    steps = _steps(path, manifest)
+    trainable = {v.entry for v in manifest.virtuals}
+    frozen = [e for e in manifest.entries if e["frozen"]]
+    numel = sum(v.numel for v in manifest.virtuals)
+    stateful = sum(v.stateful for v in manifest.virtuals)
+    lines = [f"  parameters: {len(manifest.entries)} selected ({len(trainable)} trainable, "
+             f"{len(frozen)} frozen), {len(manifest.virtuals)} virtual, {numel:,} elements; "
+             f"optimizer state for {stateful} of {len(manifest.virtuals)}"]
+    if steps:
+        lines.append(f"  step: {max(steps.values())} (most-stepped parameter; fewest "
+                     f"{min(steps.values())}, never stepped: "
+                     f"{len(manifest.virtuals) - len(steps)})")
+    width = max((len(e["name"]) for e in manifest.entries), default=0)
+    for e in manifest.entries:
+        shape = "(" + ", ".join(map(str, e["shape"])) + ")"
+        notes = []
+        if e["frozen"]:
+            notes.append("frozen (no state, value not saved)")
+        if e["aliases"]:
+            notes.append("aliases " + ", ".join(e["aliases"]))
+        if e["experts"]:
+            mine = [steps.get(v.key) for v in manifest.virtuals if v.entry == e["name"]]
+            counts = [s for s in mine if s is not None]
+            span = f"steps {min(counts)}..{max(counts)}" if counts else "never stepped"
+            notes.append(f"{e['experts']} experts, {span}"
+                         + (f", {len(mine) - len(counts)} never stepped" if 0 < len(counts)
+                            < len(mine) else ""))
+        elif not e["frozen"]:
+            key = next(v.key for v in manifest.virtuals if v.entry == e["name"])
+            notes.append(f"step {steps[key]}" if key in steps else "never stepped")
+        lines.append(f"    {e['name']:<{width}}  {shape:<14} {e['dtype']:<9} {'; '.join(notes)}")
+    return lines
+
+
+def _steps(path: Path, manifest: Manifest) -> dict[str, int]:
+    """Each stepped virtual parameter's ``step`` state, read from the first shard holding it."""
+    n = manifest.group_size
+    out: dict[str, int] = {}
+    readers: dict[int, LazyShard] = {}
+    try:
+        for v in manifest.virtuals:
+            if not v.stateful or "step" not in manifest.group_state[v.group]:
+                continue
+            owner = next(r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0)
+            if owner not in readers:
+                readers[owner] = LazyShard(path / shard_file_name(owner, n))
+            try:
+                out[v.key] = int(readers[owner].read(tensor_key(v.key, "step")))
+            except Exception:  # noqa: BLE001 - a damaged shard: --verify reports it
+                continue
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return out
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError
+
+
+# ---- command-line handlers (cli.py parses, these act) ---------------------------------------
+
+
+def run_inspect(folder: str, *, verify_shards: bool) -> int:
+    report = inspect(folder, verify_shards=verify_shards)
+    for line in report.lines:
+        print(line)
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    return 1 if report.problems else 0
+
+
+def run_reshard(folder: str, *, world_size: int, out: str) -> int:
+    try:
+        written = reshard(folder, world_size, out)
+    except CheckpointError as e:
+        print(f"selzero reshard: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {written} for a group of {world_size} rank(s)")
+    return 0
+
+
+def run_consolidate(folder: str, *, out: str, torch_state_dict: str | None) -> int:
+    try:
+        written = consolidate(folder, out, torch_state_dict=torch_state_dict)
+    except CheckpointError as e:
+        print(f"selzero consolidate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {written}" + (f" and {torch_state_dict}" if torch_state_dict else ""))
+    return 0

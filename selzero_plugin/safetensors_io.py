@@ -1,0 +1,190 @@
+"""safetensors files written one tensor at a time and read one tensor at a time.
+
+[Note: streaming safetensors]
+``safetensors.torch.save_file`` needs every tensor in memory at once, which is what makes
+converters blow up on large checkpoints (DeepSpeed's zero_to_fp32, prior-art pain point 10). A
+safetensors file is an 8-byte little-endian header length, a JSON header giving each tensor's
+dtype, shape and ``[begin, end)`` byte range, then the raw bytes. When the shapes and dtypes are
+known up front, the header can be written first and the tensors appended in header order, each
+freed after it is written: that is ``StreamingWriter``. It also hashes the bytes as they go, so
+a shard's sha256 costs no second read.
+
+Reading goes through ``safetensors.safe_open``, which maps the file: every page touched stays in
+the process's resident set while the file is open. ``LazyShard`` therefore re-opens its file
+once ``reopen_bytes`` have been read through one handle, so mapped pages never accumulate past a
+constant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+__all__ = ["TensorPlan", "StreamingWriter", "LazyShard", "read_header", "sha256_file",
+           "DTYPE_CODES", "dtype_from_name", "dtype_name", "SafetensorError"]
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_HASH_BLOCK = 4 << 20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the spelling the manifest uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype {name!r}: expected one of "
+                         f"{', '.join(dtype_name(d) for d in DTYPE_CODES)}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of a file, known before its data exists."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+
+class StreamingWriter:
+    """Write a safetensors file whose header is planned first; tensors then come in plan order."""
+
+    def __init__(self, path: str | os.PathLike[str], plan: Sequence[TensorPlan],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for t in plan:
+            if t.name in header:
+                raise ValueError(f"tensor name {t.name!r} appears twice in the plan")
+            header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the reference writer aligns the data to 8 bytes
+        self.path = Path(path)
+        self._plan = list(plan)
+        self._next = 0
+        self._hash = hashlib.sha256()
+        self._bytes = 0
+        self._file = open(self.path, "wb")
+        self._emit(struct.pack("<Q", len(raw)) + raw)
+
+    def _emit(self, data: Any) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._bytes += memoryview(data).nbytes
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next planned tensor (its name, dtype and shape must match the plan)."""
+        if self._next >= len(self._plan):
+            raise ValueError(f"{self.path}: tensor {name!r} is beyond the planned {len(self._plan)}")
+        t = self._plan[self._next]
+        if name != t.name or tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
+            raise ValueError(f"{self.path}: expected tensor {t.name!r} {dtype_name(t.dtype)} "
+                             f"{list(t.shape)} next, got {name!r} {dtype_name(tensor.dtype)} "
+                             f"{list(tensor.shape)}")
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if flat.numel():
+            self._emit(flat.view(torch.uint8).numpy())
+        self._next += 1
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> tuple[int, str]:
+        """Finish (fsync) the file; returns (byte size, sha256 hex)."""
+        if self._next != len(self._plan):
+            missing = [t.name for t in self._plan[self._next:]]
+            self._file.close()
+            raise ValueError(f"{self.path}: {len(missing)} planned tensor(s) never written, "
+                             f"first {missing[0]!r}")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._bytes, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> "StreamingWriter":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, tuple[str, tuple[int, ...]]],
+                                                       dict[str, str]]:
+    """({name: (dtype code, shape)}, metadata) without reading any tensor data.
+
+    Raises ``SafetensorError`` / ``OSError`` on an unreadable or malformed file."""
+    with safe_open(str(path), framework="pt") as f:
+        header = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape()))
+                  for k in f.keys()}
+        return header, dict(f.metadata() or {})
+
+
+class LazyShard:
+    """Tensors of one safetensors file, read on demand; re-opened every ``reopen_bytes``."""
+
+    def __init__(self, path: str | os.PathLike[str], *, reopen_bytes: int = 8 << 20) -> None:
+        self.path = str(path)
+        self._reopen_bytes = reopen_bytes
+        self._handle: Any = None
+        self._read_since_open = 0
+
+    def read(self, name: str) -> torch.Tensor:
+        if self._handle is None or self._read_since_open >= self._reopen_bytes:
+            self.close()
+            self._handle = safe_open(self.path, framework="pt").__enter__()
+            self._read_since_open = 0
+        tensor = self._handle.get_tensor(name)
+        self._read_since_open += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = None
+
+    def __enter__(self) -> "LazyShard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
