@@ -486,7 +486,9 @@ class SelectedZero2:
         """Which virtual parameters update; raises the same error on every rank where asked."""
         v = len(self.layout.virtuals)
         present = presence > 0
-        missing = presence < expected
+        # missing_grad governs parameters present on some ranks only; one absent on every rank
+        # (an expert no rank routed to) simply gets no update under every policy.
+        missing = present & (presence < expected)
         policy = self.config.missing_grad
         if policy == "error" and bool(missing.any()) and global_weight > 0:
             self._raise_missing(missing)
@@ -556,6 +558,7 @@ class SelectedZero2:
 
     def grad_norm_squared(self) -> torch.Tensor:
         """Squared norm of the reduced, normalized subset gradient (each element once per group)."""
+        self._require_reduced("grad_norm_squared()")  # name the method the user called
         total = self.local_grad_norm_squared().reshape(1).clone()
         self.comm.all_reduce(total)
         return total[0]
