@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,24 +48,34 @@ _TOPIC_WEIGHTS = {  # per rank parity: rank 0 leans on topics 0-2, rank 1 on 2-4
 
 
 def launch(nproc: int, steps: int, out: str | None) -> int:
-    """Run the demo on ``nproc`` local gloo processes; return the launcher's exit code."""
+    """Run the demo on ``nproc`` local gloo processes; return 0 if every worker succeeded.
+
+    torch's launcher runs in this process (one torch import saved); its workers get
+    ``OMP_NUM_THREADS=1`` (no oversubscription, and torchrun then does not warn that it sets it).
+    """
     if nproc < 1 or steps < 2:
         print(f"selzero demo: need --nproc >= 1 and --steps >= 2 (got {nproc}, {steps}).",
               file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    env.update({
-        "OMP_NUM_THREADS": "1",  # also keeps torchrun from warning that it sets it
-        "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-        "PYTHONUNBUFFERED": "1",
-    })
-    with tempfile.TemporaryDirectory(prefix="selzero-demo-") as tmp:
-        folder = out if out is not None else os.path.join(tmp, "checkpoint")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-               "--log-dir", os.path.join(tmp, "logs"), "--redirects=0",
-               "-m", "selzero_plugin.demo", "--steps", str(steps), "--out", folder]
-        return subprocess.call(cmd, env=env)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    saved_env = dict(os.environ)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ info lines
+    try:
+        with tempfile.TemporaryDirectory(prefix="selzero-demo-") as tmp:
+            where = ["--out", out] if out is not None else \
+                ["--out", os.path.join(tmp, "checkpoint"), "--temporary"]
+            torchrun([f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1",
+                      f"--master-port={_free_port()}", "--log-dir", os.path.join(tmp, "logs"),
+                      "-m", "selzero_plugin.demo", "--steps", str(steps), *where])
+        return 0
+    except ChildFailedError:
+        return 1  # torchrun has printed which rank failed; the worker printed its traceback
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def _free_port() -> int:
@@ -157,7 +166,7 @@ def _teacher(cfg: DemoConfig) -> dict[str, torch.Tensor]:
 # ---- the worker -------------------------------------------------------------------------
 
 
-def worker(steps: int, out: str) -> None:
+def worker(steps: int, out: str, *, temporary: bool = False) -> None:
     """One rank of the demo (started by torchrun: RANK, WORLD_SIZE, MASTER_* are set)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -201,7 +210,7 @@ def worker(steps: int, out: str) -> None:
         dead = [n for n in initial if ".experts.7." in n]
         dead_untouched = all(torch.equal(initial[n], p) for n, p in model.named_parameters()
                              if n in dead)
-        checkpoint_lines = _checkpoint_round_trip(sz, sz_config, cfg, model, out)
+        checkpoint_lines = _checkpoint_round_trip(sz, sz_config, cfg, model, out, temporary)
 
         if rank == 0:
             expert_params = [e.param for e in sz.trainable]
@@ -238,35 +247,44 @@ def _replicas_agree(model) -> bool:
     return float(hi) == -float(lo)
 
 
-def _checkpoint_round_trip(sz, sz_config, cfg: DemoConfig, model, out: str) -> list[str]:
-    """Save selzero's state, reload it into a fresh instance, and check the parameters match.
+def _checkpoint_round_trip(sz: SelectedZero2, sz_config: SelZeroConfig, cfg: DemoConfig,
+                           model: nn.Module, out: str, temporary: bool) -> list[str]:
+    """Save selzero's state, reload it into a fresh instance, check weights and state match.
 
-    ``SelectedZero2.save_checkpoint`` / ``load_checkpoint`` come with the checkpoint feature; until
-    they exist this reports that and does nothing.
+    Called last: ``sz`` is detached from the model before the fresh instance is built, so only
+    one live instance carries the config's name.
     """
-    if not (hasattr(sz, "save_checkpoint") and hasattr(sz, "load_checkpoint")):
-        return ["checkpoint: skipped (save_checkpoint/load_checkpoint not available in this build)"]
     folder = Path(out) / sz_config.name
     sz.save_checkpoint(str(folder))
+    sz.remove_hooks()
     torch.manual_seed(1)  # different initial weights, so a match proves the load
     fresh_model = DemoMoE(cfg)
     fresh = SelectedZero2(fresh_model, sz_config, torch.optim.AdamW,
                           {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
     fresh.load_checkpoint(str(folder))
-    names = set(sz.trainable_names)
     trained = dict(model.named_parameters())
-    match = all(torch.equal(p, trained[n]) for n, p in fresh_model.named_parameters() if n in names)
-    flag = torch.tensor([0 if match else 1])
-    dist.all_reduce(flag)
+    loaded = dict(fresh_model.named_parameters())
+    same = all(torch.equal(loaded[n], trained[n]) for n in sz.trainable_names)
+    same = same and len(fresh.segments) == len(sz.segments) and all(
+        _same_state(sz.optimizer.state.get(a, {}), fresh.optimizer.state.get(b, {}))
+        for a, b in zip(sz.segments, fresh.segments))
     fresh.remove_hooks()
+    flag = torch.tensor([0 if same else 1])
+    dist.all_reduce(flag)
     if int(flag):
-        raise RuntimeError(f"selzero demo failed: parameters reloaded from {folder} differ from "
-                           "the trained ones")
+        raise RuntimeError(f"selzero demo failed: the state reloaded from {folder} differs from "
+                           "the trained one")
     files = sorted(p for p in folder.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
-    return [f"checkpoint: saved {len(files)} files ({_kib(size)}) to {folder}: "
-            + ", ".join(p.name for p in files),
-            "            reloaded into a fresh SelectedZero2: expert parameters match exactly"]
+    where = "a temporary folder (--out DIR keeps it)" if temporary else str(folder)
+    return [f"checkpoint: {len(files)} files, {_kib(size)}, saved to {where}:",
+            "  " + ", ".join(p.name for p in files),
+            "  reloaded into a fresh SelectedZero2: expert weights and AdamW state match exactly"]
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 # ---- the report -------------------------------------------------------------------------
@@ -325,9 +343,10 @@ def _main(argv: list[str] | None = None) -> int:
                                      description="one rank of `selzero demo` (run by torchrun)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", required=True, help="folder for the demo's checkpoint")
+    parser.add_argument("--temporary", action="store_true", help="--out is removed afterwards")
     args = parser.parse_args(argv)
     _quiet()
-    worker(args.steps, args.out)
+    worker(args.steps, args.out, temporary=args.temporary)
     return 0
 
 

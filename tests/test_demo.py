@@ -16,10 +16,12 @@ def _run_demo(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_prints_the_report_and_exits_zero():
+def test_demo_prints_a_clean_report_and_exits_zero():
     proc = _run_demo("--steps", "12")
     out = proc.stdout
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+    assert not proc.stderr.strip(), "the demo should print nothing on stderr:\n" + proc.stderr
+    assert "terminate called" not in out
     assert "per-rank bytes of expert gradients + optimizer state" in out
     rows = re.findall(r"^\s+(\d)\s+([\d,.]+) KiB\s+([\d,.]+) KiB\s+([\d.]+)$", out, re.M)
     assert [r[0] for r in rows] == ["0", "1"], out
@@ -33,17 +35,20 @@ def test_demo_prints_the_report_and_exits_zero():
     assert skipped > 0, out  # the demo's routing leaves some experts without tokens
     assert "bit-identical to its start" in out
     assert "replicas identical after training: yes" in out
+    assert "reloaded into a fresh SelectedZero2: expert weights and AdamW state match exactly" in out
 
 
-def test_demo_output_is_clean():
-    proc = _run_demo("--steps", "3")
-    assert proc.returncode == 0, proc.stderr
-    noise = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert not noise, "stderr should be empty:\n" + proc.stderr
-    assert "terminate called" not in proc.stdout + proc.stderr
+def test_demo_keeps_its_checkpoint_in_out(tmp_path):
+    proc = _run_demo("--steps", "3", "--out", str(tmp_path))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    saved = sorted(p.name for p in (tmp_path / "selected_zero2").iterdir())
+    assert saved == ["manifest.json", "shard-00000-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors"]
+    assert str(tmp_path / "selected_zero2") in proc.stdout
 
 
-def test_cannot_run_demo_with_fewer_than_two_steps():
-    proc = _run_demo("--steps", "1", timeout=60)
-    assert proc.returncode == 2
-    assert "--steps >= 2" in proc.stderr
+def test_cannot_run_demo_with_fewer_than_two_steps(capsys):
+    from selzero_plugin.demo import launch
+
+    assert launch(nproc=2, steps=1, out=None) == 2
+    assert "--steps >= 2" in capsys.readouterr().err
