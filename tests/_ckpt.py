@@ -20,6 +20,7 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "SGD": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
     "AdamW-amsgrad": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+    "AdamW-other-lr": (torch.optim.AdamW, {"lr": 0.5, "weight_decay": 0.0}),
 }
 E = 4  # experts in every test model
 
