@@ -1,10 +1,11 @@
 """``selzero demo``: a small MoE trained on local gloo processes, with a short report.
 
-``launch()`` starts ``nproc`` workers with torch's own launcher (``python -m
-torch.distributed.run``); each worker (``worker()``, this module's ``__main__``) trains
+``launch()`` starts ``nproc`` workers with torch's own launcher (``torch.distributed.run``, run
+in this process); each worker (``worker()``, this module's ``__main__``) trains
 ``DemoMoE`` with SelectedZero2 on the experts, DDP (``wrap_ddp``) on the rest and AdamW on both.
 Rank 0 prints per-rank memory of the experts' gradients and optimizer state next to what DDP +
-AdamW would hold for them, the loss, and how many updates were skipped for absent experts.
+AdamW would hold for them, the loss, and how many updates were skipped for absent experts; then
+the experts' state is saved, reloaded into a fresh instance and compared.
 
 [Note: demo routing]
 Routing is top-1 by a token's topic (hash routing, as in "Hash Layers for Large Sparse
@@ -38,7 +39,9 @@ from .zero2 import SelectedZero2
 __all__ = ["launch", "worker", "DemoMoE", "DemoConfig"]
 
 NUM_EXPERTS = 8
-_TOPIC_WEIGHTS = {  # per rank parity: rank 0 leans on topics 0-2, rank 1 on 2-4; 5-6 rare; 7 never
+# Topic frequencies by rank parity: even ranks lean on topics 0-2, odd ones on 2-4; 5-6 are rare;
+# 7 never occurs.
+_TOPIC_WEIGHTS = {
     0: [8.0, 6.0, 4.0, 1.0, 1.0, 0.15, 0.1, 0.0],
     1: [1.0, 1.0, 4.0, 6.0, 8.0, 0.1, 0.15, 0.0],
 }
@@ -202,8 +205,8 @@ def worker(steps: int, out: str, *, temporary: bool = False) -> None:
         dist.all_reduce(losses)
         losses /= world
         report = sz.memory_report()
-        mine = torch.tensor([report.grad_shard + report.optimizer_state + report.master,
-                             report.ideal_total], dtype=torch.int64)
+        mine = torch.tensor([report.grad_shard + report.optimizer_state + report.master],
+                            dtype=torch.int64)
         per_rank = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(per_rank, mine)
         replicas_agree = _replicas_agree(model)

@@ -35,7 +35,8 @@ def test_demo_prints_a_clean_report_and_exits_zero():
     assert skipped > 0, out  # the demo's routing leaves some experts without tokens
     assert "bit-identical to its start" in out
     assert "replicas identical after training: yes" in out
-    assert "reloaded into a fresh SelectedZero2: expert weights and AdamW state match exactly" in out
+    assert "reloaded into a fresh SelectedZero2: expert weights and AdamW state match exactly" \
+        in out
 
 
 def test_demo_keeps_its_checkpoint_in_out(tmp_path):

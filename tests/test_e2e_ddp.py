@@ -52,7 +52,7 @@ def torchrun_result(tmp_path_factory) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _reference(train: ModuleType) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain torch.optim.AdamW over every parameter, on the mean of the ranks' losses."""
+    """One process, plain AdamW over all parameters, on the mean of the ranks' losses."""
     model = train.build_model(SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=train.LR, weight_decay=train.WEIGHT_DECAY)
     losses = []

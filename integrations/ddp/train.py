@@ -91,7 +91,8 @@ def make_batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Ten
     return x, y, routes
 
 
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+            routes: torch.Tensor) -> torch.Tensor:
     return (model(x, routes) - y).pow(2).mean()
 
 
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.save_model:
                 from safetensors.torch import save_file
 
-                save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
-                          args.save_model)
+                weights = {k: v.detach().contiguous().clone()
+                           for k, v in model.state_dict().items()}
+                save_file(weights, args.save_model)
             print(f"loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over "
                   f"{args.steps} steps; checksum {result['checksum']:.10g}", flush=True)
         done = torch.zeros(1)
