@@ -40,12 +40,23 @@ def first_difference(a: list[Field], b: list[Field]) -> tuple[str, Any, Any]:
         if ka != kb:
             return f"{ka} / {kb}", va, vb
         if va != vb:
-            if isinstance(va, dict) and isinstance(vb, dict):
-                for sub in list(va) + [k for k in vb if k not in va]:
-                    if va.get(sub, "<absent>") != vb.get(sub, "<absent>"):
-                        return f"{ka}.{sub}", va.get(sub, "<absent>"), vb.get(sub, "<absent>")
-            return ka, va, vb
+            return _first_leaf(ka, va, vb)
     raise AssertionError("first_difference called on equal field lists")
+
+
+def _first_leaf(key: str, va: Any, vb: Any) -> tuple[str, Any, Any]:
+    """Descend into nested dicts to the first differing value (``...hyperparameters.lr``), and
+    name the parameter a ``selected[i]`` field is about, so the error says which tensor differs."""
+    if not (isinstance(va, dict) and isinstance(vb, dict)):
+        return key, va, vb
+    for sub in list(va) + [k for k in vb if k not in va]:
+        a, b = va.get(sub, "<absent>"), vb.get(sub, "<absent>")
+        if a != b:
+            leaf, a, b = _first_leaf(f"{key}.{sub}", a, b)
+            if sub != "name" and "name" in va and va["name"] == vb.get("name"):
+                leaf += f' (parameter "{va["name"]}")'
+            return leaf, a, b
+    return key, va, vb
 
 
 def _at(fields: list[Field], i: int) -> Any:
