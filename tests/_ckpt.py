@@ -170,9 +170,10 @@ def save_only(rank: int, world: int, folder: str, *, kind: str, opt: str, k: int
     return {"params": params_of(model), "state": state_of(sz)}
 
 
-def load_many(rank: int, world: int, folders: list[str], *, kind: str, opt: str
-              ) -> list[dict[str, Any]]:
-    """Load each folder into a fresh instance; report values, state, warnings or the error."""
+def load_many(rank: int, world: int, folders: list[str], *, kind: str, opt: str,
+              then_save: str | None = None) -> list[dict[str, Any]]:
+    """Load each folder into a fresh instance; report values, state, warnings or the error.
+    Then, if asked, train 2 steps and save into ``then_save``."""
     out = []
     for folder in folders:
         model, sz = make(kind, opt, seed=123)
@@ -185,6 +186,11 @@ def load_many(rank: int, world: int, folders: list[str], *, kind: str, opt: str
                 error = f"{type(e).__name__}: {e}"
         out.append({"params": params_of(model), "state": state_of(sz), "error": error,
                     "warnings": [str(w.message) for w in caught]})
+        sz.remove_hooks()
+    if then_save is not None:
+        model, sz = make(kind, opt, seed=0)
+        train(model, sz, rank, range(2), 2)
+        sz.save_checkpoint(then_save)
         sz.remove_hooks()
     return out
 
