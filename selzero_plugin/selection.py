@@ -96,7 +96,11 @@ def _names_under_modules(model: nn.Module, classes: list[str]) -> set[str]:
 def _num_experts(model: nn.Module, name: str, p: torch.Tensor, expert_dim: int | None) -> int | None:
     if expert_dim is None or p.dim() < 2:
         return None
-    owner = model.get_submodule(name.rpartition(".")[0])
+    owner = model
+    # walk _modules, not get_submodule: getattr finds a method first when a submodule is named
+    # like one (`model.half = nn.Linear(...)` -> Module.half), and get_submodule then raises
+    for part in filter(None, name.rpartition(".")[0].split(".")):
+        owner = owner._modules[part]
     declared = getattr(owner, "num_experts", None)
     if not isinstance(declared, int):
         declared = getattr(owner, "num_local_experts", None)

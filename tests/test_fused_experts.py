@@ -163,3 +163,18 @@ def test_expert_dim_none_fused_tensor_is_one_stock_parameter(fused):
                                            runs[0]["None"][step - 1]["params"][name][e])
                     decayed += 1
     assert decayed > 0, "no row was unrouted everywhere: the decay check did not run"
+
+
+def test_fused_experts_are_split_under_a_submodule_named_like_a_module_method():
+    """``model.half`` is also ``nn.Module.half``: finding the owner must not go through getattr."""
+    from selzero_plugin.selection import resolve_selection
+
+    from ._memory import FusedExperts
+
+    model = torch.nn.Module()
+    model.half = inner = torch.nn.Module()
+    inner.experts = FusedExperts(3, torch.float32)
+    model.weight = torch.nn.Parameter(torch.zeros(3, 2))
+    entries = resolve_selection(model, params=["*"], modules=[], expert_dim=0)
+    assert [(e.name, e.num_experts) for e in entries] == [("weight", None),
+                                                           ("half.experts.weight", 3)]
