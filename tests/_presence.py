@@ -19,7 +19,7 @@ from ._shard import shard_snapshot
 from .models import loss_fn, make_batch
 from .parity import OPTIMIZERS, build_model, routes_for
 
-__all__ = ["TOKENS", "toy_routes", "toy_reference", "toy_selzero", "expert_of"]
+__all__ = ["TOKENS", "toy_routes", "toy_reference", "toy_selzero", "expert_of", "random_accumulation"]
 
 TOKENS = 6
 
@@ -82,3 +82,12 @@ def toy_selzero(rank: int, world: int, steps: int, pattern: str, *, opt_name: st
         snaps.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                       "shard": shard_snapshot(sz), "result": result})
     return snaps
+
+
+def random_accumulation(rank: int, world: int, steps: int, micro: int) -> dict[str, Any]:
+    """Random routing with ``micro`` micro-steps per step, both accumulation modes, one spawn."""
+    from .parity import selzero_run
+
+    return {mode: selzero_run(rank, world, steps, "AdamW", pattern="random", accumulate=micro,
+                              accumulate_mode=mode, config={"name": f"random_{mode}"})
+            for mode in ("end_microstep", "no_sync")}
