@@ -564,8 +564,25 @@ class SelectedZero2:
         return total[0]
 
     def scale_gradients_(self, coef: float | torch.Tensor) -> None:
-        """Multiply the reduced gradient shards by ``coef`` (clipping)."""
+        """Multiply the reduced gradient shards by ``coef`` (clipping).
+
+        A non-finite ``coef`` (a global norm that is inf/NaN because some *host* gradient is)
+        is handled like a non-finite gradient of the subset: ``nonfinite="skip"`` skips the
+        update, ``"error"`` raises. Every rank sees the same global norm, so they agree.
+        """
         self._require_reduced("scale_gradients_()")
+        if not math.isfinite(float(coef)):
+            decided = self._reduced
+            if self.config.nonfinite == "error":
+                self._discard_window()
+                raise NonFiniteGradientError(
+                    f"[rank {self.rank}/{self.world_size}] scale_gradients_ got coef={float(coef)} "
+                    "(the global gradient norm is not finite, so some host gradient holds inf/NaN). "
+                    "Nothing was updated. Set nonfinite='skip' to skip such steps.")
+            decided["skipped_nonfinite"] += decided["updated"]
+            decided["updated"] = 0
+            decided["update"] = [False] * len(decided["update"])
+            return
         self.grad_shard.mul_(coef)
 
     def step(self, lr: float | None = None, weight: Any = None,
