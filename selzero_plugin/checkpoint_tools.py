@@ -53,6 +53,9 @@ __all__ = ["open_checkpoint", "verify", "iter_full_state", "write_sharded", "res
            "run_reshard", "run_consolidate"]
 
 
+_MAPPED_BUDGET = 8 << 20  # bytes read through open shard handles before they are all re-opened
+
+
 def _progress(iterable: Iterable[Any], *, total: int, desc: str, unit: str) -> Iterable[Any]:
     """A tqdm bar on a terminal; the bare iterable otherwise (logs stay clean)."""
     if not sys.stderr.isatty():
@@ -127,6 +130,9 @@ def iter_full_state(folder: Path, manifest: Manifest
                     del part
                 yield v, what, full
                 del full
+                if sum(r.read_since_open for r in readers) >= _MAPPED_BUDGET:
+                    for reader in readers:  # unmap: touched pages of every shard add up otherwise
+                        reader.close()
     finally:
         for reader in readers:
             reader.close()
@@ -163,6 +169,7 @@ def write_sharded(out: Path, manifest: Manifest,
                 if length:
                     writers[r].write(tensor_key(v.key, what),
                                      full if full.dim() == 0 else full[start:start + length])
+            del full  # before the next one is assembled
         records = []
         for r, writer in enumerate(writers):
             size, digest = writer.close()
@@ -211,6 +218,7 @@ def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
                              consolidated_metadata(manifest)) as writer:
             for v, what, full in iter_full_state(path, manifest):
                 writer.write(tensor_key(v.key, what), full if full.dim() == 0 else full.view(v.shape))
+                del full  # before the next one is assembled
             writer.close()
         os.replace(partial, out)
     finally:
@@ -404,7 +412,21 @@ def run_inspect(folder: str, *, verify_shards: bool) -> int:
     return 1 if report.problems else 0
 
 
+def _return_freed_buffers_to_the_os() -> None:
+    """glibc raises its mmap threshold each time a large buffer is freed, after which buffers
+    of that size come from the heap and, freed, stay in the process: a tool that frees one
+    tensor after another then grows by tens of MiB. A fixed threshold keeps every buffer of
+    1 MiB or more in its own mapping, returned to the OS when freed. (CLI processes only.)"""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def run_reshard(folder: str, *, world_size: int, out: str) -> int:
+    _return_freed_buffers_to_the_os()
     try:
         written = reshard(folder, world_size, out)
     except CheckpointError as e:
@@ -415,6 +437,7 @@ def run_reshard(folder: str, *, world_size: int, out: str) -> int:
 
 
 def run_consolidate(folder: str, *, out: str, torch_state_dict: str | None) -> int:
+    _return_freed_buffers_to_the_os()
     try:
         written = consolidate(folder, out, torch_state_dict=torch_state_dict)
     except CheckpointError as e:

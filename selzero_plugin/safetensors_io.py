@@ -170,7 +170,13 @@ class LazyShard:
         self._read_since_open += tensor.numel() * tensor.element_size()
         return tensor
 
+    @property
+    def read_since_open(self) -> int:
+        """Bytes read through the current handle (its mapped pages are still resident)."""
+        return self._read_since_open
+
     def close(self) -> None:
+        self._read_since_open = 0
         if self._handle is not None:
             self._handle.__exit__(None, None, None)
             self._handle = None
