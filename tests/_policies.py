@@ -148,6 +148,8 @@ def _disagreements(rank: int, world: int) -> dict[str, Any]:
          lambda sz: sz.step(weight=3) if rank == 0 else sz.step(active=True)),
         ("active_under_mean", "mean",
          lambda sz: sz.step(active=True) if rank == world - 1 else sz.step()),
+        ("non_integer_weight", "weighted",
+         lambda sz: sz.step(weight=2.5) if rank == world - 1 else sz.step(weight=6)),
     ]
     for name, mode, call in cases:
         model = build()

@@ -110,7 +110,8 @@ def test_nonfinite_skip_updates_nothing_and_next_step_works(runs):
 
 
 @pytest.mark.parametrize("case", ["weight_on_one_rank", "end_microstep_vs_reduce",
-                                  "weight_under_sum", "active_under_mean"])
+                                  "weight_under_sum", "active_under_mean",
+                                  "non_integer_weight"])
 def test_cannot_disagree_on_the_reduction_call(runs, case):
     _, outcomes = runs
     results = [v[case] for v in value_of(outcomes, "disagreements")]
