@@ -503,10 +503,11 @@ def _finish(sz: "SelectedZero2", run: RunSchema, records: list[dict[str, Any]], 
         "group_size": sz.comm.size,
         "contract": {"entries": run.entries, "chunking": CHUNKING},
         "virtuals": virtuals,
+        # hyperparameters as the optimizer used them last (defaults filled in, scheduled lr)
         "optimizer": {"class": run.optimizer_class, "param_groups": [
-            {"hyperparameters": jsonable(plan.hyper),
+            {"hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
              "state": {k: s.to_json() for k, s in sorted(state.items())}}
-            for plan, state in zip(sz._plans, run.group_state)]},
+            for group, state in zip(sz.optimizer.param_groups, run.group_state)]},
         "normalization": {"reduction": cfg.reduction, "normalize_over": cfg.normalize_over,
                           "missing_grad": cfg.missing_grad, "nonfinite": cfg.nonfinite},
         "config": cfg.to_dict(),
