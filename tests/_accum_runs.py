@@ -16,20 +16,21 @@ from selzero_plugin import SelectedZero2, SelZeroConfig, wrap_ddp
 from .models import loss_fn, make_batch
 from .parity import OPTIMIZERS, build_model, routes_for
 
-__all__ = ["MODES", "MICRO_STEPS", "accumulate_run", "accumulate_many", "usage_errors"]
+__all__ = ["MODES", "MICRO_STEPS", "STEPS", "accumulate_run", "accumulate_many", "usage_errors"]
 
 MODES = ("end_microstep", "ddp_no_sync", "sz_no_sync")
 """How the first micro-steps of a window run: reduced and closed by `sz.end_microstep()`, or
 local inside the DDP model's `no_sync()`, or inside `sz.no_sync()` alone (DDP then averages the
 host's gradients at every micro-step, which accumulates to the same mean)."""
 MICRO_STEPS = 3
+STEPS = 2  # windows per run: the second one starts from the first one's reset state
 TOKENS = 6
 NUM_EXPERTS = 4
 SMALL_BUCKET_MB = 0.0001  # ~100 bytes: the toy experts spread over about ten buckets
 
 
 def accumulate_run(rank: int, world: int, opt: str, mode: str, *, pattern: str = "uneven",
-                   steps: int = 3, bucket_mb: float = SMALL_BUCKET_MB) -> dict[str, Any]:
+                   steps: int = STEPS, bucket_mb: float = SMALL_BUCKET_MB) -> dict[str, Any]:
     """Returns the final state, and per step the collectives selzero issued in each phase:
     `micro` (one list per micro-step: its backward plus its reduction point, if any) and
     `step` (sz.step() after an explicit reduce_gradients(), i.e. the update's all-gathers)."""

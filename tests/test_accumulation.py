@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
-from ._accum_runs import (MICRO_STEPS, MODES, NUM_EXPERTS, TOKENS, accumulate_many,
+from ._accum_runs import (MICRO_STEPS, MODES, NUM_EXPERTS, STEPS, TOKENS, accumulate_many,
                           usage_errors)
 from .dist_utils import all_values, run_ranks
 from .parity import build_model, max_diff, reference_run, routes_for
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 3  # accumulate_run's default
 TOLERANCE = 1e-6
 CASES = ([("AdamW", mode, "uneven") for mode in MODES]
          + [("SGD", mode, "uneven") for mode in MODES]
