@@ -17,6 +17,8 @@ from selzero_plugin import SelectedZero2, SelZeroConfig
 from ._state import capture, model_state
 from .models import ToyMoE
 
+__all__ = ["contract_rank", "deviants_for", "CASES"]
+
 E = 4
 
 # case -> substrings the error message must contain (the field that differs)
@@ -60,7 +62,7 @@ def _build(case: str, deviant: bool) -> tuple[ToyMoE, SelZeroConfig, type, dict[
 
 
 def deviants_for(case: str, world: int) -> list[int]:
-    """The last rank deviates; in world 3 the lr case has ranks 1 and 2 deviate (rank 1 is named)."""
+    """The last rank deviates; in world 3 the lr case has ranks 1 and 2 deviate (1 is named)."""
     return [1, 2] if case == "lr" and world == 3 else [world - 1]
 
 

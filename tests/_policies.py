@@ -23,6 +23,8 @@ from selzero_plugin import SelectedZero2, SelZeroConfig
 from ._state import capture, differences, model_state, snapshot
 from .models import ToyMoE, loss_fn, make_batch
 
+__all__ = ["policies_rank", "reference", "expert_names", "routes", "build"]
+
 E = 4
 TOKENS = 6
 ADAMW_KW: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}

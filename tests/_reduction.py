@@ -32,6 +32,9 @@ from ._state import capture, differences, model_state, snapshot
 from .models import ToyMoE, loss_fn, make_batch
 from .parity import routes_for
 
+__all__ = ["group_modes_rank", "expert_parallel_rank", "weighted_reference", "sum_reference",
+           "ep_reference", "build_ep", "tokens_of", "token_sum_loss", "E", "GROUPS", "SUM_STEPS"]
+
 E = 4
 SGD_KW: dict[str, Any] = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.01}
 SUM_DENOMINATOR = 20.0  # the "global denominator" a sum-mode caller already put into its loss
@@ -193,7 +196,7 @@ def _sum_all_inactive(rank: int) -> dict[str, Any]:
 
 
 def _sum_skip_presence(rank: int, world: int) -> dict[str, Any]:
-    """missing_grad="skip" under sum: only active ranks' presence counts, and only they are expected.
+    """missing_grad="skip" under sum: only active ranks' presence counts, only they are expected.
 
     Active ranks route to experts 0..2 only; the inactive last rank routes to expert 3 only.
     Experts 0..2 are present on every *active* rank (updated); expert 3 is absent on every active

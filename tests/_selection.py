@@ -18,6 +18,8 @@ from ._state import capture, model_state
 from .models import ToyMoE, loss_fn, make_batch
 from .parity import routes_for
 
+__all__ = ["selection_rank", "reference", "tie", "freeze", "FROZEN"]
+
 E = 4
 STEPS = 3
 SGD_KW: dict[str, Any] = {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}
@@ -103,7 +105,8 @@ def _empty(rank: int, world: int) -> dict[str, Any]:
     model = ToyMoE(E)
     before = model_state(model)
     results = []
-    for mode, kwargs in (("mean", {}), ("weighted", {"weight": rank + 1}), ("sum", {"active": True})):
+    modes = (("mean", {}), ("weighted", {"weight": rank + 1}), ("sum", {"active": True}))
+    for mode, kwargs in modes:
         sz = SelectedZero2(model, SelZeroConfig(params=["no.such.*"], reduction=mode),
                            torch.optim.AdamW, {"lr": 1e-2})
         loss_fn(model, *make_batch(0, rank), routes_for(0, rank, 6, E, "same")).backward()

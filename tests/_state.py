@@ -1,4 +1,4 @@
-"""Snapshots of a model and of selzero's optimizer state, compared bit for bit, and scenario capture.
+"""Snapshots of a model and of selzero's optimizer state, compared bit for bit; scenario capture.
 
 Rank functions of the semantic tests run several scenarios in one spawn (spawning gloo ranks costs
 seconds); each scenario's outcome is captured so that one failing scenario is reported by the test
@@ -37,7 +37,7 @@ def snapshot(model: nn.Module, sz: Any) -> dict[str, Any]:
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Keys whose values are not bit-identical (dtype, shape and every bit), or present in one only."""
+    """Keys whose values differ in dtype, shape or any bit, or that only one side has."""
     diff = sorted(set(a) ^ set(b))
     for k in sorted(set(a) & set(b)):
         x, y = a[k], b[k]

@@ -45,8 +45,9 @@ def test_from_dict_round_trips_through_to_dict():
     assert SelZeroConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
 
 
-@pytest.mark.parametrize("key, closest", [("reducton", "reduction"), ("bucket_size_mb", "bucket_mb"),
-                                          ("param", "params"), ("missing_grads", "missing_grad")])
+@pytest.mark.parametrize("key, closest", [
+    ("reducton", "reduction"), ("bucket_size_mb", "bucket_mb"), ("param", "params"),
+    ("missing_grads", "missing_grad")])
 def test_cannot_use_unknown_key_and_the_error_names_the_closest(key, closest):
     with pytest.raises(ConfigError, match=rf"unknown key '{key}' \(did you mean '{closest}'\?\)"):
         SelZeroConfig.from_dict({"params": ["x"], key: 1})
@@ -66,7 +67,8 @@ def test_from_file_json(tmp_path):
 def test_from_file_yaml(tmp_path, suffix):
     path = tmp_path / f"selzero{suffix}"
     path.write_text("params:\n  - '*.experts.*'\n  - 're:.*\\.gate_up_proj$'\nexpert_dim: 0\n"
-                    "param_groups:\n  - params: ['*.bias']\n    weight_decay: 0.0\nbroadcast: false\n")
+                    "param_groups:\n  - params: ['*.bias']\n    weight_decay: 0.0\n"
+                    "broadcast: false\n")
     c = SelZeroConfig.from_file(str(path))
     assert c.params == ["*.experts.*", "re:.*\\.gate_up_proj$"]
     assert (c.expert_dim, c.broadcast) == (0, False)
@@ -78,7 +80,8 @@ def test_from_file_reads_the_selected_zero2_block_of_a_deepspeed_config(tmp_path
     path.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
         "bf16": {"enabled": True},
-        "selected_zero2": {"params": ["*.mlp.experts.*"], "expert_dim": 0, "missing_grad": "skip"}}))
+        "selected_zero2": {"params": ["*.mlp.experts.*"], "expert_dim": 0,
+                           "missing_grad": "skip"}}))
     assert SelZeroConfig.from_file(path) == SelZeroConfig(params=["*.mlp.experts.*"], expert_dim=0,
                                                           missing_grad="skip")
 

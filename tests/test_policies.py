@@ -1,4 +1,4 @@
-"""missing_grad and nonfinite policies, and ranks that disagree on a reduction call (issue #2, rule 5).
+"""missing_grad and nonfinite policies; ranks that disagree on a reduction call (issue #2, rule 5).
 
 Where a policy raises, every rank raises the same error class, names the parameter(s) (and, for
 missing gradients, the ranks), leaves parameters and optimizer state bit-identical, and the next
