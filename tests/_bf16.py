@@ -67,7 +67,8 @@ def bf16_selzero(rank: int, world: int, steps: int, pattern: str) -> dict[str, A
         for step in range(steps):
             _loss(model, step, rank, pattern).backward()
             result = sz.step()
-            snaps.append({"params": {n: p.detach().clone() for n, p in _expert_params(model).items()},
+            params = {n: p.detach().clone() for n, p in _expert_params(model).items()}
+            snaps.append({"params": params,
                           "shard": shard_snapshot(sz), "result": result})
         out[opt_name] = {
             "snaps": snaps,

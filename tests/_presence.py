@@ -19,13 +19,14 @@ from ._shard import shard_snapshot
 from .models import loss_fn, make_batch
 from .parity import OPTIMIZERS, build_model, routes_for
 
-__all__ = ["TOKENS", "toy_routes", "toy_reference", "toy_selzero", "expert_of", "random_accumulation"]
+__all__ = ["TOKENS", "toy_routes", "toy_reference", "toy_selzero", "expert_of",
+           "random_accumulation"]
 
 TOKENS = 6
 
 
 def toy_routes(step: int, rank: int, num_experts: int, pattern: str) -> torch.Tensor:
-    """``routes_for`` plus "warm": every expert routed at step 0, then "uneven" (expert E-1 never)."""
+    """``routes_for`` plus "warm": every expert at step 0, then "uneven" (expert E-1 never)."""
     if pattern == "warm":
         pattern = "same" if step == 0 else "uneven"
     return routes_for(step, rank, TOKENS, num_experts, pattern)

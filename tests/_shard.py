@@ -1,4 +1,4 @@
-"""Gather selzero's per-rank shards (FP32 values and optimizer state) into full per-parameter tensors.
+"""Gather selzero's per-rank shards (FP32 values, optimizer state) into full per-parameter tensors.
 
 Each rank returns ``shard_snapshot(sz)`` (plain, picklable data); the test process calls
 ``assemble`` on the list of every rank's snapshot and gets, for every selected trainable (virtual)
