@@ -226,4 +226,5 @@ def _number(var: str, raw: str, kind: type) -> Any:
     try:
         return kind(raw)
     except ValueError:
-        raise ConfigError(f"{var}={raw!r}: expected a {kind.__name__}.") from None
+        raise ConfigError(f"{var}={raw!r}: expected {'an integer' if kind is int else 'a number'}.") \
+            from None
