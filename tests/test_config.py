@@ -136,7 +136,7 @@ def test_cannot_use_unknown_selzero_variable_and_the_error_names_the_closest():
 
 @pytest.mark.parametrize("var, raw, needle", [
     ("SELZERO_PARAMS", "*.experts.*", "expected a JSON list"),
-    ("SELZERO_BUCKET_MB", "big", "expected a float"),
+    ("SELZERO_BUCKET_MB", "big", "expected a number"),
     ("SELZERO_EXPERT_DIM", "first", "expected an? int"),
     ("SELZERO_BROADCAST", "maybe", "expected true or false"),
 ])
