@@ -42,7 +42,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
@@ -53,11 +53,11 @@ from .contract import agree_on_local_errors
 from .errors import CheckpointError, SelZeroError, UsageError
 from .layout import ceil_div
 from .optim import GroupPlan, build_optimizer, jsonable, qualified_name
-from .safetensors_io import (DTYPE_CODES, StreamingWriter, TensorPlan, dtype_from_name,
-                             dtype_name, read_header, sha256_file)
-
-if TYPE_CHECKING:
-    from .zero2 import SelectedZero2
+from .safetensors_io import (DTYPE_CODES, LazyShard, StreamingWriter, TensorPlan,
+                             dtype_from_name, dtype_name, read_header, sha256_file)
+# The engine calls this module from its save/load methods (importing it on use), so importing
+# the engine here makes no cycle at import time.
+from .zero2 import SelectedZero2, WindowState
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "CHUNKING",
            "shard_file_name", "virtual_key", "tensor_key", "chunk_range", "StateSpec",
@@ -310,7 +310,7 @@ class RunSchema:
     group_state: list[dict[str, StateSpec]]
 
 
-def describe_run(sz: "SelectedZero2") -> RunSchema:
+def describe_run(sz: SelectedZero2) -> RunSchema:
     entries = [{"name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
                 "dtype": dtype_name(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts}
                for e in sz.entries]
@@ -364,8 +364,8 @@ def _check_against_run(manifest: Manifest, run: RunSchema, group_size: int, wher
     if manifest.optimizer_class != run.optimizer_class:
         raise CheckpointError(
             f"{where} holds state of optimizer {manifest.optimizer_class}; this run uses "
-            f"{run.optimizer_class}. Build SelectedZero2 with {manifest.optimizer_class} to resume, "
-            "or `selzero consolidate` the checkpoint and convert the state yourself.")
+            f"{run.optimizer_class}. Build SelectedZero2 with {manifest.optimizer_class} to "
+            "resume, or `selzero consolidate` the checkpoint and convert the state yourself.")
     for saved, current in zip(manifest.virtuals, run.virtuals):
         s, c = manifest.group_state[saved.group], run.group_state[current.group]
         if s != c:
@@ -393,8 +393,8 @@ def _check_entries(saved: list[dict[str, Any]], current: list[dict[str, Any]], w
         only_here = [n for n in current_names if n not in saved_names]
         detail = (f"only in the checkpoint: {only_saved[:5]}; only selected here: {only_here[:5]}"
                   if only_saved or only_here else "the same names in another order")
-        raise CheckpointError(f"{where}: the selected parameters differ ({detail}). Select the same "
-                              "parameters (config params/modules) as the saving run.")
+        raise CheckpointError(f"{where}: the selected parameters differ ({detail}). Select the "
+                              "same parameters (config params/modules) as the saving run.")
     for s, c in zip(saved, current):
         for field, fix in _FIX.items():
             if s.get(field) != c[field]:
@@ -404,8 +404,8 @@ def _check_entries(saved: list[dict[str, Any]], current: list[dict[str, Any]], w
 
 
 def _describe_state(specs: dict[str, StateSpec]) -> str:
-    return "{" + ", ".join(f"{k}: {s.kind} {dtype_name(s.dtype)}" for k, s in sorted(specs.items())) \
-        + "}"
+    described = (f"{k}: {s.kind} {dtype_name(s.dtype)}" for k, s in sorted(specs.items()))
+    return "{" + ", ".join(described) + "}"
 
 
 # ---- save ----------------------------------------------------------------------------------
@@ -421,18 +421,19 @@ def _local(fn: Callable[..., _T], *args: Any) -> tuple[_T | None, SelZeroError |
         return None, CheckpointError(f"{type(e).__name__}: {e}")
 
 
-def save_checkpoint(sz: "SelectedZero2", folder: str | Path) -> None:
+def save_checkpoint(sz: SelectedZero2, folder: str | Path) -> None:
     """Every rank of the group calls this; see [Note: checkpoint format] and [Note: atomic save]."""
     folder = Path(folder)
     comm = sz.comm
     what = f"save_checkpoint({folder})"
     run, error = _local(describe_run, sz)
-    staging = None
+    staging: Path | None = None
     if comm.rank == 0 and error is None:
         staging, error = _local(_prepare_staging, folder)
-    agree_on_local_errors(comm, error, what=what)
-    staging = Path(comm.broadcast_bytes(str(staging).encode() if comm.rank == 0 else None).decode())
     try:
+        agree_on_local_errors(comm, error, what=what)
+        staging = Path(comm.broadcast_bytes(str(staging).encode() if comm.rank == 0 else None)
+                       .decode())
         record, error = _local(_write_shard, sz, run, staging)
         agree_on_local_errors(comm, error, what=what)
         records = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
@@ -440,7 +441,7 @@ def save_checkpoint(sz: "SelectedZero2", folder: str | Path) -> None:
             _, error = _local(_finish, sz, run, records, staging, folder)
         agree_on_local_errors(comm, error, what=what)
     except SelZeroError:
-        if comm.rank == 0 and staging.exists():
+        if comm.rank == 0 and staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         raise
 
@@ -452,7 +453,7 @@ def _prepare_staging(folder: Path) -> Path:
     return make_staging(folder)
 
 
-def _write_shard(sz: "SelectedZero2", run: RunSchema, staging: Path) -> dict[str, Any]:
+def _write_shard(sz: SelectedZero2, run: RunSchema, staging: Path) -> dict[str, Any]:
     rank, world = sz.comm.rank, sz.comm.size
     items: list[tuple[str, torch.Tensor]] = []
     stateful: list[int] = []
@@ -465,8 +466,9 @@ def _write_shard(sz: "SelectedZero2", run: RunSchema, staging: Path) -> dict[str
             continue
         specs = run.group_state[v.group]
         if set(state) != set(specs):
-            raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(state)}, expected "
-                                  f"{sorted(specs)} from one step of {run.optimizer_class}.")
+            raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(state)}, "
+                                  f"expected {sorted(specs)} from one step of "
+                                  f"{run.optimizer_class}.")
         stateful.append(slot.virtual)
         for key in sorted(specs):
             tensor = state[key].detach()
@@ -487,7 +489,7 @@ def _write_shard(sz: "SelectedZero2", run: RunSchema, staging: Path) -> dict[str
     return {"rank": rank, "file": name, "bytes": size, "sha256": digest, "stateful": stateful}
 
 
-def _finish(sz: "SelectedZero2", run: RunSchema, records: list[dict[str, Any]], staging: Path,
+def _finish(sz: SelectedZero2, run: RunSchema, records: list[dict[str, Any]], staging: Path,
             folder: Path) -> None:
     stateful = {v for r in records for v in r["stateful"]}
     virtuals = [VirtualRecord(v.key, v.entry, v.expert, v.numel, v.shape, v.group,
@@ -522,7 +524,7 @@ def _finish(sz: "SelectedZero2", run: RunSchema, records: list[dict[str, Any]], 
 # ---- load ----------------------------------------------------------------------------------
 
 
-def load_checkpoint(sz: "SelectedZero2", folder: str | Path) -> None:
+def load_checkpoint(sz: SelectedZero2, folder: str | Path) -> None:
     """Every rank calls this: all ranks load, or all raise the same error and keep their state."""
     folder = Path(folder)
     comm = sz.comm
@@ -535,10 +537,8 @@ def load_checkpoint(sz: "SelectedZero2", folder: str | Path) -> None:
     _apply(sz, manifest, shard)
 
 
-def _check_for_load(sz: "SelectedZero2", folder: Path
+def _check_for_load(sz: SelectedZero2, folder: Path
                     ) -> tuple[Path, Manifest, Path, list[str]]:
-    from .zero2 import WindowState
-
     if sz.state in (WindowState.OPEN, WindowState.AWAITING_CLOSE, WindowState.REDUCED):
         raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
                          f"state {sz.state.value}); call it before training or right after step().")
@@ -549,10 +549,8 @@ def _check_for_load(sz: "SelectedZero2", folder: Path
     return path, manifest, shard, notes
 
 
-def _apply(sz: "SelectedZero2", manifest: Manifest, shard: Path) -> None:
+def _apply(sz: SelectedZero2, manifest: Manifest, shard: Path) -> None:
     """Values into segments, state into the optimizer, then all-gather the full parameters."""
-    from .safetensors_io import LazyShard
-
     sz.sync_from_params()  # re-bind fp32 segments if the host replaced parameter storage
     optimizer = sz.optimizer
     index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}

@@ -69,8 +69,8 @@ def open_checkpoint(folder: str | os.PathLike[str]) -> tuple[Path, Manifest]:
     """Exactly ``folder`` (offline tools do not fall back to ``<folder>.previous``)."""
     path = Path(folder)
     if is_staging(path):
-        raise CheckpointError(f"{path} is the staging folder of an unfinished save (it was never put "
-                              "in place); it is not a checkpoint. Delete it.")
+        raise CheckpointError(f"{path} is the staging folder of an unfinished save (it was never "
+                              "put in place); it is not a checkpoint. Delete it.")
     if not path.is_dir():
         hint = ""
         if (previous_folder(path) / MANIFEST_NAME).is_file():
@@ -217,7 +217,8 @@ def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
         with StreamingWriter(partial, [p for p, _, _ in consolidated_plan(manifest)],
                              consolidated_metadata(manifest)) as writer:
             for v, what, full in iter_full_state(path, manifest):
-                writer.write(tensor_key(v.key, what), full if full.dim() == 0 else full.view(v.shape))
+                writer.write(tensor_key(v.key, what),
+                             full if full.dim() == 0 else full.view(v.shape))
                 del full  # before the next one is assembled
             writer.close()
         os.replace(partial, out)
@@ -240,7 +241,8 @@ def read_consolidated_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 def export_torch_state_dict(consolidated: str | os.PathLike[str],
                             out: str | os.PathLike[str]) -> Path:
-    """The ``torch.optim`` state dict of [Note: streaming tools] (the only pickle selzero writes)."""
+    """The ``torch.optim`` state dict of [Note: streaming tools]: the only pickle selzero
+    writes, and only when asked."""
     manifest = read_consolidated_manifest(consolidated)
     members: list[list[int]] = [[] for _ in manifest.group_hyper]
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -405,10 +407,14 @@ def _size(n: int) -> str:
 
 def run_inspect(folder: str, *, verify_shards: bool) -> int:
     report = inspect(folder, verify_shards=verify_shards)
-    for line in report.lines:
-        print(line)
-    for problem in report.problems:
-        print(f"PROBLEM: {problem}")
+    try:
+        for line in report.lines:
+            print(line)
+        for problem in report.problems:
+            print(f"PROBLEM: {problem}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `selzero inspect ... | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 1 if report.problems else 0
 
 

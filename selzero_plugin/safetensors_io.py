@@ -102,7 +102,8 @@ class StreamingWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor (its name, dtype and shape must match the plan)."""
         if self._next >= len(self._plan):
-            raise ValueError(f"{self.path}: tensor {name!r} is beyond the planned {len(self._plan)}")
+            raise ValueError(f"{self.path}: tensor {name!r} is beyond the {len(self._plan)} "
+                             "planned")
         t = self._plan[self._next]
         if name != t.name or tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
             raise ValueError(f"{self.path}: expected tensor {t.name!r} {dtype_name(t.dtype)} "

@@ -16,6 +16,11 @@ from selzero_plugin import atomic
 
 from .models import D, ToyMoE, make_batch
 
+__all__ = ["OPTIMIZERS", "E", "FusedExperts", "FusedMoE", "build", "config", "routes", "loss_at",
+           "train", "make", "params_of", "state_of", "save_then_continue", "resume", "save_only",
+           "load_many", "crash_while_saving", "attempt_loads", "same", "files_of",
+           "run_ranks_with_crash"]
+
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "SGD": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
@@ -226,14 +231,14 @@ def attempt_loads(rank: int, world: int, scenarios: list[dict[str, Any]]) -> lis
             sz.load_checkpoint(sc["folder"])
         except Exception as e:  # noqa: BLE001 - reported to the test
             error_type, message = type(e).__name__, str(e)
-        untouched = _same(params, params_of(model)) and _same(state, state_of(sz))
+        untouched = same(params, params_of(model)) and same(state, state_of(sz))
         results.append({"name": sc["name"], "error_type": error_type, "message": message,
                         "untouched": untouched})
         sz.remove_hooks()
     return results
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 

@@ -18,6 +18,9 @@ from selzero_plugin.checkpoint import (CHUNKING, FORMAT, FORMAT_VERSION, Manifes
 from selzero_plugin.checkpoint_tools import write_sharded
 from selzero_plugin.optim import jsonable
 
+__all__ = ["ENTRIES", "VIRTUALS", "STEPS", "ADAMW_STATE", "hyperparameters", "manifest",
+           "full_tensor", "stream", "write"]
+
 ENTRIES = [
     {"name": "a.weight", "aliases": ["tied.weight"], "shape": [5, 7], "dtype": "float32",
      "frozen": False, "experts": None},

@@ -67,8 +67,8 @@ def _tree(folder: Path) -> dict[str, list[str]]:
 def _loaded_old(s: dict[str, Any], point: str) -> None:
     for r, res in enumerate(s["loads"][point]):
         assert res["error"] is None, res["error"]
-        assert _ckpt._same(res["params"], s["saved"][r]["params"]), f"rank {r}"
-        assert _ckpt._same(res["state"], s["saved"][r]["state"]), f"rank {r}"
+        assert _ckpt.same(res["params"], s["saved"][r]["params"]), f"rank {r}"
+        assert _ckpt.same(res["state"], s["saved"][r]["state"]), f"rank {r}"
 
 
 @pytest.mark.multiproc
@@ -115,7 +115,7 @@ def test_a_save_killed_before_deleting_the_old_folder_has_both_complete(tmp_path
     assert "manifest.json" in tree["ckpt"] and "manifest.json" in tree["ckpt.previous"]
     for r, res in enumerate(s["loads"]["before_delete_previous"]):
         assert res["error"] is None and res["warnings"] == []
-        assert not _ckpt._same(res["params"], s["saved"][r]["params"])  # the new save
+        assert not _ckpt.same(res["params"], s["saved"][r]["params"])  # the new save
     _loaded_old(s, "previous")
 
 

@@ -36,7 +36,8 @@ def _case(folder: Path, k: int, **extra: Any) -> dict[str, Any]:
             "k": k, "m": M, "save_at": K, **extra}
 
 
-def reference(root: Path, consolidated: str, *, world: int, steps: range) -> dict[str, torch.Tensor]:
+def reference(root: Path, consolidated: str, *, world: int,
+              steps: range) -> dict[str, torch.Tensor]:
     """One process, plain torch.optim.AdamW over the model, resumed from consolidated files."""
     full = root / f"{consolidated}.safetensors"
     optim = root / f"{consolidated}.pt"

@@ -175,8 +175,9 @@ def test_reshard_and_consolidate_commands(ckpt2, tmp_path):
     result = _cli("reshard", str(ckpt2), "--world-size", "3", "--out", str(tmp_path / "ckpt3"))
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert read_manifest(tmp_path / "ckpt3").group_size == 3
-    result = _cli("consolidate", str(tmp_path / "ckpt3"), "--out", str(tmp_path / "full.safetensors"),
-                  "--torch-state-dict", str(tmp_path / "optim.pt"))
+    result = _cli("consolidate", str(tmp_path / "ckpt3"), "--out",
+                  str(tmp_path / "full.safetensors"), "--torch-state-dict",
+                  str(tmp_path / "optim.pt"))
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stdout
     assert set(load_file(tmp_path / "full.safetensors")) >= {"a.weight/value", "b.bias/step"}
