@@ -233,7 +233,8 @@ def attempt_loads(rank: int, world: int, scenarios: list[dict[str, Any]]) -> lis
             error_type, message = type(e).__name__, str(e)
         untouched = same(params, params_of(model)) and same(state, state_of(sz))
         results.append({"name": sc["name"], "error_type": error_type, "message": message,
-                        "untouched": untouched})
+                        "untouched": untouched,
+                        "params": params_of(model) if error_type is None else None})
         sz.remove_hooks()
     return results
 

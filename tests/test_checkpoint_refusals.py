@@ -185,11 +185,10 @@ def test_cannot_load_with_different_optimizer_state_keys(tmp_path_factory):
 
 
 def test_runtime_settings_may_change_between_save_and_load(tmp_path_factory):
-    """lr, weight decay, bucket_mb, reduction and timeout_s differ: the load succeeds and
-    restores the saved parameters."""
+    """lr, weight decay, bucket_mb (so other buckets), reduction and timeout_s differ: the load
+    succeeds and restores the saved parameters exactly."""
     results = _attempts(tmp_path_factory)
     saved = results["_saved"]
     for r, res in enumerate(results["runtime_settings"]):
         assert res["error_type"] is None, res["message"]
-        assert not res["untouched"]
-    assert saved[0]["params"].keys()  # the saving run's values (compared in the resume tests)
+        assert _ckpt.same(res["params"], saved[r]["params"]), f"rank {r}"
