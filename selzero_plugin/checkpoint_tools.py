@@ -128,6 +128,8 @@ def iter_full_state(folder: Path, manifest: Manifest
                         full = torch.empty(v.numel, dtype=part.dtype)
                     full[start:start + length].copy_(part)
                     del part
+                    if readers[r].read_since_open >= _MAPPED_BUDGET // n:
+                        readers[r].close()  # a large chunk: unmap it before reading the next
                 yield v, what, full
                 del full
                 if sum(r.read_since_open for r in readers) >= _MAPPED_BUDGET:
