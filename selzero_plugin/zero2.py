@@ -612,27 +612,41 @@ class SelectedZero2:
         return result
 
     def _all_gather(self, update: list[bool]) -> None:
-        """Cast updated chunks to the parameter dtype and rebuild full parameters in place."""
-        n = self.comm.size
+        """Cast updated chunks to the parameter dtype and rebuild full parameters in place.
+
+        Two buckets are in flight at a time: bucket b+1's all-gather runs while bucket b is
+        copied out, and at most two gathered buffers are alive.
+        """
+        in_flight: list[tuple[int, Any, torch.Tensor]] = []
         for b, bucket in enumerate(self.buckets):
-            spec = bucket.spec
-            if not any(update[v] for v in spec.virtuals):
-                continue  # nothing changed in this bucket on any rank
-            dtype = self.trainable[spec.entries[0]].param.dtype
-            send = torch.zeros(spec.row_numel, dtype=dtype, device=self.comm.device)
-            for i in self._slots_of_bucket[b]:
-                s = self.slots[i]
-                send[s.row_offset:s.row_offset + s.numel].copy_(self.segments[i].detach())
-            gathered = torch.empty(n * spec.row_numel, dtype=dtype, device=self.comm.device)
-            self.comm.all_gather(gathered, send)
-            rows = gathered.view(n, spec.row_numel)
-            with torch.no_grad():
-                for t in spec.entries:
-                    ids = self.layout.entry_virtuals[t]
-                    first = self.layout.virtuals[ids[0]]
-                    copy_out(rows, self.trainable[t].param.data.view(-1),
-                             row_offset=self.layout.entry_row_offset[t],
-                             experts=len(ids), per=first.numel, chunk=first.chunk_numel)
+            if any(update[v] for v in bucket.spec.virtuals):  # else unchanged on every rank
+                in_flight.append(self._launch_all_gather(b))
+                if len(in_flight) == 2:
+                    self._copy_out_bucket(*in_flight.pop(0))
+        for item in in_flight:
+            self._copy_out_bucket(*item)
+
+    def _launch_all_gather(self, b: int) -> tuple[int, Any, torch.Tensor]:
+        spec = self.buckets[b].spec
+        dtype = self.trainable[spec.entries[0]].param.dtype
+        send = torch.zeros(spec.row_numel, dtype=dtype, device=self.comm.device)
+        for i in self._slots_of_bucket[b]:
+            s = self.slots[i]
+            send[s.row_offset:s.row_offset + s.numel].copy_(self.segments[i].detach())
+        gathered = torch.empty(self.comm.size * spec.row_numel, dtype=dtype, device=self.comm.device)
+        return b, self.comm.all_gather(gathered, send, async_op=True), gathered
+
+    def _copy_out_bucket(self, b: int, work: Any, gathered: torch.Tensor) -> None:
+        spec = self.buckets[b].spec
+        work.wait()
+        rows = gathered.view(self.comm.size, spec.row_numel)
+        with torch.no_grad():
+            for t in spec.entries:
+                ids = self.layout.entry_virtuals[t]
+                first = self.layout.virtuals[ids[0]]
+                copy_out(rows, self.trainable[t].param.data.view(-1),
+                         row_offset=self.layout.entry_row_offset[t],
+                         experts=len(ids), per=first.numel, chunk=first.chunk_numel)
 
     # ---- gradient accumulation without communication --------------------------------------
 
