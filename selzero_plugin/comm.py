@@ -51,6 +51,11 @@ class Communicator:
                                use_local_synchronization=True)
         return cls(group, dist.get_rank(group), len(ranks), list(ranks), device)
 
+    @classmethod
+    def single(cls, device: torch.device) -> "Communicator":
+        """A group of one process, for use without torch.distributed (every collective is local)."""
+        return cls(None, 0, 1, [0], device)
+
     def _record(self, op: str, t: torch.Tensor) -> None:
         if self.trace is not None:
             self.trace.append((op, t.numel(), str(t.dtype)))

@@ -93,19 +93,24 @@ class SelectedZero2:
         if not isinstance(config, SelZeroConfig):
             raise TypeError(f"config: expected a SelZeroConfig, got {type(config).__name__}; "
                             "build one with SelZeroConfig(params=[...]) or SelZeroConfig.from_dict.")
-        if not dist.is_available() or not dist.is_initialized():
-            raise UsageError("SelectedZero2 needs torch.distributed: call "
-                             "dist.init_process_group(...) first (a group of one rank works too).")
         self.config = config
         self.model = model
         device = _model_device(model)
         # The communicator comes first, so that a rank whose local checks fail can tell the
         # others (agree_on_local_errors) instead of leaving them waiting in a collective.
-        self.comm = Communicator.create(group_ranks(group), timeout_s=config.timeout_s, device=device)
-        world = dist.get_world_size()
-        self.world_comm = (self.comm if self.comm.size == world or config.normalize_over == "group"
-                           else Communicator.create(list(range(world)), timeout_s=config.timeout_s,
-                                                    device=device))
+        if dist.is_available() and dist.is_initialized():
+            self.comm = Communicator.create(group_ranks(group), timeout_s=config.timeout_s,
+                                            device=device)
+            world = dist.get_world_size()
+            self.world_comm = (
+                self.comm if self.comm.size == world or config.normalize_over == "group"
+                else Communicator.create(list(range(world)), timeout_s=config.timeout_s,
+                                         device=device))
+        elif group is not None:
+            raise UsageError("SelectedZero2(group=...) needs torch.distributed to be initialized; "
+                             "call dist.init_process_group(...) first.")
+        else:  # one process without torch.distributed: a group of one, no collectives
+            self.comm = self.world_comm = Communicator.single(device)
         error: SelZeroError | None = None
         try:
             opt_cls, defaults, plans = self._build_local(optimizer, optimizer_kwargs or {})
@@ -759,6 +764,6 @@ def _model_device(model: nn.Module) -> torch.device:
     """Where control tensors live: the model's device, or the current GPU under NCCL."""
     for p in model.parameters():
         return p.device
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
