@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .errors import UsageError
+
 __all__ = ["Communicator", "Work", "group_ranks"]
 
 
@@ -30,7 +32,15 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """Global ranks of ``group`` (None: the default group), sorted."""
     if group is None:
         return list(range(dist.get_world_size()))
-    return sorted(dist.get_process_group_ranks(group))
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        ranks: list[int] = []
+    else:
+        ranks = sorted(dist.get_process_group_ranks(group))
+    if dist.get_rank() not in ranks:
+        raise UsageError(f"global rank {dist.get_rank()} is not a member of the process group passed "
+                         f"as group= (its ranks: {ranks}); build SelectedZero2 only on the ranks of "
+                         "that group (each expert group on its own ranks).")
+    return ranks
 
 
 class Communicator:

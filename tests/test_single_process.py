@@ -56,3 +56,22 @@ def test_without_a_process_group_checkpoints_round_trip(tmp_path):
     for k, v in fresh.state_dict().items():
         if k.startswith("experts."):
             assert torch.equal(v, saved[k]), k
+
+
+def _outside_the_group(rank: int, world: int) -> str | None:
+    group = dist.new_group([0])  # every rank creates it; only rank 0 is a member
+    if rank == 0:
+        return None
+    try:
+        SelectedZero2(ToyMoE(), SelZeroConfig(params=["experts.*"]), group=group)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_cannot_build_on_a_rank_outside_the_group():
+    from .dist_utils import all_values, run_ranks
+
+    values = all_values(run_ranks(_outside_the_group, 2, timeout=60))
+    assert values[0] is None
+    assert values[1].startswith("UsageError") and "not a member" in values[1], values[1]
