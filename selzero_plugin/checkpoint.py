@@ -534,7 +534,12 @@ def load_checkpoint(sz: SelectedZero2, folder: str | Path) -> None:
     for note in notes:
         warnings.warn(f"[rank {comm.rank}/{comm.size}] load_checkpoint({folder}): {note}",
                       stacklevel=3)
-    _apply(sz, manifest, shard)
+    # Reading can still fail (an I/O error after the checks): agree before the all-gather, so
+    # one rank's failure is every rank's error instead of a hang.
+    _, error = _local(_apply_local, sz, manifest, shard)
+    agree_on_local_errors(comm, error, what=f"load_checkpoint({folder})")
+    sz._all_gather([True] * len(sz.layout.virtuals))
+    sz._discard_window()
 
 
 def _check_for_load(sz: SelectedZero2, folder: Path
@@ -549,8 +554,8 @@ def _check_for_load(sz: SelectedZero2, folder: Path
     return path, manifest, shard, notes
 
 
-def _apply(sz: SelectedZero2, manifest: Manifest, shard: Path) -> None:
-    """Values into segments, state into the optimizer, then all-gather the full parameters."""
+def _apply_local(sz: SelectedZero2, manifest: Manifest, shard: Path) -> None:
+    """Values into segments, state into the optimizer (the caller all-gathers the parameters)."""
     sz.sync_from_params()  # re-bind fp32 segments if the host replaced parameter storage
     optimizer = sz.optimizer
     index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -567,5 +572,3 @@ def _apply(sz: SelectedZero2, manifest: Manifest, shard: Path) -> None:
     current = optimizer.state_dict()
     # This run's hyperparameters stay (runtime settings); only the state is replaced.
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-    sz._all_gather([True] * len(sz.layout.virtuals))
-    sz._discard_window()

@@ -363,13 +363,17 @@ def _parameter_lines(path: Path, manifest: Manifest) -> list[str]:
         if e["experts"]:
             mine = [steps.get(v.key) for v in manifest.virtuals if v.entry == e["name"]]
             counts = [s for s in mine if s is not None]
-            span = f"steps {min(counts)}..{max(counts)}" if counts else "never stepped"
+            stateful = any(v.stateful for v in manifest.virtuals if v.entry == e["name"])
+            span = (f"steps {min(counts)}..{max(counts)}" if counts else
+                    "optimizer state, no step count kept" if stateful else "never stepped")
             notes.append(f"{e['experts']} experts, {span}"
                          + (f", {len(mine) - len(counts)} never stepped" if 0 < len(counts)
                             < len(mine) else ""))
         elif not e["frozen"]:
             key = next(v.key for v in manifest.virtuals if v.entry == e["name"])
-            notes.append(f"step {steps[key]}" if key in steps else "never stepped")
+            stateful = next(v.stateful for v in manifest.virtuals if v.entry == e["name"])
+            notes.append(f"step {steps[key]}" if key in steps else
+                         "has optimizer state (no step count kept)" if stateful else "never stepped")
         lines.append(f"    {e['name']:<{width}}  {shape:<14} {e['dtype']:<9} {'; '.join(notes)}")
     return lines
 

@@ -17,9 +17,10 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
                      ) -> tuple[torch.Tensor, list[torch.Tensor], list[SelectedZero2]]:
     """(total norm, host grads, subsets). Host gradients are taken as replicated (DDP averaged).
 
-    Each subset element counts once across the world: a ``normalize_over="group"`` subset is
-    summed over its group, an expert-parallel (``"world"``) subset's shards over the world, so
-    experts held by different groups are each counted once (DeepSpeed#8475 is the bug avoided).
+    Each subset element counts once across the world: a subset over the whole world is summed
+    over its group; one over a proper subgroup (expert parallelism: each group holds its own
+    experts) sums its shards over the world, so experts held by different groups are each
+    counted once and every rank gets the same norm (DeepSpeed#8475 is the bug avoided).
     """
     if float(norm_type) != 2.0:
         raise UsageError(f"clip_grad_norm_: norm_type={norm_type!r}; selzero computes the L2 "
@@ -36,13 +37,13 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     for sz in subsets:
         if sz.state is not WindowState.REDUCED:
             sz.reduce_gradients()
-        if sz.config.normalize_over == "world" and sz.world_comm is not sz.comm:
+        if sz.world_comm is not sz.comm:  # a proper subgroup: its experts are its own
             part = sz.local_grad_norm_squared().reshape(1)
             world_sq = part.clone() if world_sq is None else world_sq + part
         else:
             total = total + sz.grad_norm_squared().to(device)
     if world_sq is not None:
-        next(s for s in subsets if s.config.normalize_over == "world").world_comm.all_reduce(world_sq)
+        next(s for s in subsets if s.world_comm is not s.comm).world_comm.all_reduce(world_sq)
         total = total + world_sq[0].to(device)
     return total.sqrt(), grads, subsets
 

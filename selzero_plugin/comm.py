@@ -22,10 +22,21 @@ __all__ = ["Communicator", "Work", "group_ranks"]
 class Work(Protocol):
     def wait(self) -> Any: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _Done:
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+# torch 2.13 names these *_single (the *_tensor names warn as deprecated); older torch has only
+# the *_tensor names, with the same signature.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -77,8 +88,8 @@ class Communicator:
         if self.size == 1:
             output.copy_(input)
             return _Done()
-        return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=async_op) or _Done()
+        return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=async_op) or _Done()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    async_op: bool = False) -> Work:
@@ -86,7 +97,7 @@ class Communicator:
         if self.size == 1:
             output.copy_(input)
             return _Done()
-        return dist.all_gather_single(output, input, group=self.group, async_op=async_op) or _Done()
+        return _ALL_GATHER(output, input, group=self.group, async_op=async_op) or _Done()
 
     def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         self._record("all_reduce", tensor)

@@ -354,4 +354,6 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    from selzero_plugin.process_exit import exit_after
+
+    exit_after(_main)  # see [Note: gloo teardown]

@@ -12,6 +12,7 @@ it would compute on the whole tensor. Optimizers whose update reads a whole matr
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .errors import ConfigError, OptimizerNotSupportedError
 from .selection import SelectedEntry, matches_any
 
 __all__ = ["ELEMENTWISE", "GroupPlan", "resolve_optimizer_class", "check_elementwise",
+           "check_hyperparameters",
            "plan_groups", "plan_groups_from_host", "qualified_name", "jsonable"]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -86,6 +88,20 @@ def check_elementwise(cls: type, extra: list[str]) -> None:
         f"{', '.join(c.__name__ for c in ELEMENTWISE)}. If every state tensor of "
         f"{cls.__name__} has the parameter's shape and the update never mixes elements, add "
         f"{qualified_name(cls)!r} to `extra_elementwise_optimizers`.")
+
+
+def check_hyperparameters(cls: type, keys: list[str], *, where: str) -> None:
+    """Refuse keys the optimizer's constructor does not take (plain torch raises TypeError)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return
+    valid = [k for k in accepted if k not in ("self", "params")]
+    for key in keys:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: {cls.__name__} has no hyperparameter {key!r}{hint}; it "
+                              f"takes {', '.join(valid)}.")
 
 
 def _listed(cls: type, extra: list[str]) -> bool:

@@ -27,7 +27,8 @@ import enum
 import logging
 import math
 import os
-from typing import Any, Iterator
+import weakref
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,11 @@ from torch import nn
 from .comm import Communicator, group_ranks
 from .config import SelZeroConfig
 from .contract import Field, agree_on_local_errors, check_contract
-from .errors import (MissingGradientError, NonFiniteGradientError, SelectionError, SelZeroError,
-                     UsageError)
-from .layout import EntrySpec, Layout, ShardSlot, plan_layout
-from .optim import (GroupPlan, build_optimizer, check_elementwise, jsonable, plan_groups,
+from .errors import (ConfigError, MissingGradientError, NonFiniteGradientError, SelectionError,
+                     SelZeroError, UsageError)
+from .layout import EntrySpec, ShardSlot, plan_layout
+from .optim import (GroupPlan, build_optimizer, check_elementwise, check_hyperparameters,
+                    jsonable, plan_groups,
                     plan_groups_from_host, qualified_name, refresh_from_host,
                     resolve_optimizer_class)
 from .report import MemoryReport, StepResult
@@ -90,9 +92,11 @@ class SelectedZero2:
     def __init__(self, model: nn.Module, config: SelZeroConfig, optimizer: Any = torch.optim.AdamW,
                  optimizer_kwargs: dict[str, Any] | None = None, *,
                  group: dist.ProcessGroup | None = None) -> None:
+        if isinstance(config, Mapping):
+            config = SelZeroConfig.from_dict(config)
         if not isinstance(config, SelZeroConfig):
-            raise TypeError(f"config: expected a SelZeroConfig, got {type(config).__name__}; "
-                            "build one with SelZeroConfig(params=[...]) or SelZeroConfig.from_dict.")
+            raise ConfigError(f"config: expected a SelZeroConfig or a dict of its fields, got "
+                              f"{type(config).__name__}; e.g. SelZeroConfig(params=['*.experts.*']).")
         self.config = config
         self.model = model
         device = _model_device(model)
@@ -102,8 +106,10 @@ class SelectedZero2:
             self.comm = Communicator.create(group_ranks(group), timeout_s=config.timeout_s,
                                             device=device)
             world = dist.get_world_size()
+            # A proper subgroup holds parameters no other group holds (expert parallelism):
+            # the global norm and normalize_over="world" sum over all ranks.
             self.world_comm = (
-                self.comm if self.comm.size == world or config.normalize_over == "group"
+                self.comm if self.comm.size == world
                 else Communicator.create(list(range(world)), timeout_s=config.timeout_s,
                                          device=device))
         elif group is not None:
@@ -138,6 +144,8 @@ class SelectedZero2:
         self._reduced: dict[str, Any] | None = None
         self._hooks = [e.param.register_post_accumulate_grad_hook(self._make_hook(t))
                        for t, e in enumerate(self.trainable)]
+        for e in self.entries:
+            e.param._selzero_owner = weakref.ref(self)
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -147,6 +155,13 @@ class SelectedZero2:
         config = self.config
         entries = resolve_selection(self.model, params=list(config.params),
                                     modules=list(config.modules), expert_dim=config.expert_dim)
+        for e in entries:
+            owner = getattr(e.param, "_selzero_owner", None)
+            if owner is not None and owner() is not None and owner()._hooks:
+                raise UsageError(
+                    f"parameter {e.name!r} already belongs to another SelectedZero2 (name "
+                    f"{owner().config.name!r}), whose hooks would take its gradients. Call "
+                    "old.remove_hooks() before building a new instance on the same parameters.")
         self.entries = entries
         self._dtypes = {e.name: e.param.dtype for e in entries}
         self.trainable = [e for e in entries if not e.frozen]
@@ -175,6 +190,10 @@ class SelectedZero2:
                 self.trainable, optimizer)
         cls = resolve_optimizer_class(optimizer)
         check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
+        check_hyperparameters(cls, list(kwargs), where="optimizer_kwargs")
+        for i, group in enumerate(self.config.param_groups):
+            check_hyperparameters(cls, [k for k in group if k != "params"],
+                                  where=f"config.param_groups[{i}]")
         return None, cls, dict(kwargs), plan_groups(self.trainable, dict(kwargs),
                                                     list(self.config.param_groups))
 
@@ -285,8 +304,18 @@ class SelectedZero2:
         return hook
 
     def _on_grad(self, t: int, grad: torch.Tensor) -> None:
-        self._record_presence(t, grad)
+        if grad.is_sparse:
+            raise UsageError(f"parameter {self.trainable[t].name!r} got a sparse gradient; selzero "
+                             "reduces dense gradients. Use a dense embedding (sparse=False) or leave "
+                             "this parameter out of `params`.")
+        # A bucket that was already reduce-scattered in this micro-step cannot take more.
+        launched = self.layout.entry_bucket[t] < self._next_launch
         if not self._sync:
+            if self.state is WindowState.REDUCED:
+                raise self._backward_after_reduce()
+            if launched:
+                raise self._second_backward()
+            self._record_presence(t, grad)
             flat = grad.detach().reshape(-1)
             if t in self._local:
                 self._local[t].add_(flat)
@@ -294,11 +323,16 @@ class SelectedZero2:
                 self._local[t] = flat.to(_FP32, copy=True)
             return
         self._open_microstep()
+        if launched:
+            raise self._second_backward()
+        self._record_presence(t, grad)
         bucket = self.buckets[self.layout.entry_bucket[t]]
         if bucket.buffer is None:
             bucket.buffer = torch.zeros(self.comm.size * bucket.spec.row_numel, dtype=_FP32,
                                         device=self.comm.device)
-        self._copy_entry_in(bucket, t, grad.detach().reshape(-1))
+        # A gradient arriving twice before its bucket is launched (a parameter used inside and
+        # outside a reentrant checkpoint) simply accumulates.
+        self._copy_entry_in(bucket, t, grad.detach().reshape(-1), accumulate=t in bucket.filled)
         local = self._local.pop(t, None)
         if local is not None:
             self._copy_entry_in(bucket, t, local, accumulate=True)
@@ -307,20 +341,30 @@ class SelectedZero2:
             self._launch_ready()
 
     def _open_microstep(self) -> None:
+        """Mark the reduced micro-step open until the end of the current backward.
+
+        The callback runs at the end of the graph task that is current; under reentrant
+        activation checkpointing that can be an inner backward, so a later gradient of the
+        outer backward simply reopens (a real second backward is caught by ``_on_grad``).
+        """
         if self.state is WindowState.OPEN:
             return
-        if self.state is WindowState.AWAITING_CLOSE:
-            raise UsageError(
-                f"[rank {self.rank}/{self.world_size}] a second backward reached selzero's "
-                "parameters before the previous reduced micro-step was closed. Call "
-                "sz.end_microstep() between backward passes, or run the earlier micro-steps "
-                "inside `with sz.no_sync():` (or your DDP model's no_sync()).")
         if self.state is WindowState.REDUCED:
-            raise UsageError(
-                f"[rank {self.rank}/{self.world_size}] a backward reached selzero's parameters "
-                "after reduce_gradients() and before step(); call sz.step() first.")
+            raise self._backward_after_reduce()
         self.state = WindowState.OPEN
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _second_backward(self) -> UsageError:
+        return UsageError(
+            f"[rank {self.rank}/{self.world_size}] a second backward reached selzero's parameters "
+            "before the previous reduced micro-step was closed (their bucket was already "
+            "reduced). Call sz.end_microstep() between backward passes, or run the earlier "
+            "micro-steps inside `with sz.no_sync():` (or your DDP model's no_sync()).")
+
+    def _backward_after_reduce(self) -> UsageError:
+        return UsageError(
+            f"[rank {self.rank}/{self.world_size}] a backward reached selzero's parameters after "
+            "reduce_gradients() and before step(); call sz.step() first.")
 
     def _backward_done(self) -> None:
         if self.state is WindowState.OPEN:
@@ -360,8 +404,8 @@ class SelectedZero2:
             bucket.buffer = buffer
         for t in bucket.spec.entries:
             local = self._local.pop(t, None)
-            if local is not None and t not in bucket.filled:
-                self._copy_entry_in(bucket, t, local)
+            if local is not None:
+                self._copy_entry_in(bucket, t, local, accumulate=True)
         if not active:
             buffer.zero_()
         output = torch.empty(rows, dtype=_FP32, device=self.comm.device)
@@ -370,16 +414,30 @@ class SelectedZero2:
         bucket.buffer = None
         bucket.filled = set()
         self._next_launch += 1
+        # Free the buffers of reductions that already completed. Never block here: a rank
+        # waiting inside backward for a bucket that another rank launches only at its reduction
+        # point would deadlock against the host's own collectives in backward (DDP).
+        waiting = []
+        for item in self._pending:
+            if item[1].is_completed():
+                self._finish_one(*item)
+            else:
+                waiting.append(item)
+        self._pending = waiting
 
-    def _finish_pending(self) -> None:
+    def _finish_one(self, bucket: _Bucket, work: Any, output: torch.Tensor, _buffer: Any) -> None:
+        """Wait for one reduce-scatter and add this rank's real chunks into the shard."""
         if self._shard_stale:
             self.grad_shard.zero_()
             self._shard_stale = False
-        for bucket, work, output, _buffer in self._pending:
-            work.wait()
-            for row_offset, shard_offset, numel in bucket.runs:
-                self.grad_shard[shard_offset:shard_offset + numel].add_(
-                    output[row_offset:row_offset + numel])
+        work.wait()
+        for row_offset, shard_offset, numel in bucket.runs:
+            self.grad_shard[shard_offset:shard_offset + numel].add_(
+                output[row_offset:row_offset + numel])
+
+    def _finish_pending(self) -> None:
+        for item in self._pending:
+            self._finish_one(*item)
         self._pending = []
 
     def _close(self, phase: int, *, weight: Any, active: Any) -> tuple[bool, int]:
@@ -394,7 +452,7 @@ class SelectedZero2:
         for bucket in self.buckets[self._next_launch:]:
             self._launch(bucket, active=is_active)
         self._finish_pending()
-        self._local.clear()
+        assert not self._local, "every local gradient joins a bucket at its launch"
         self._next_launch = 0
         self._agree_on_signature(phase, arg_kind, error)
         if is_active:
@@ -471,7 +529,8 @@ class SelectedZero2:
         mode = self.config.reduction
         if mode == "mean":
             return self.world_comm.size if self.config.normalize_over == "world" else self.comm.size
-        if mode == "weighted" and self.world_comm is not self.comm:
+        if mode == "weighted" and self.config.normalize_over == "world" \
+                and self.world_comm is not self.comm:
             total = torch.tensor([self._reduced_local_weight], dtype=torch.int64,
                                  device=self.comm.device)
             self.world_comm.all_reduce(total)
@@ -717,6 +776,10 @@ class SelectedZero2:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for e in self.entries:
+            owner = getattr(e.param, "_selzero_owner", None)
+            if owner is not None and owner() is self:
+                del e.param._selzero_owner
 
 
 def _runs(slots: list[ShardSlot]) -> list[tuple[int, int, int]]:

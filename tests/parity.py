@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from selzero_plugin import SelectedZero2, SelZeroConfig, wrap_ddp
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from selzero_plugin import atomic
 from selzero_plugin.checkpoint import resolve_folder

@@ -26,7 +26,7 @@ import torch
 from selzero_plugin import SelectedZero2, SelZeroConfig
 
 from ._optim_runs import Recipe, reference, scheduled_lrs, sharded_many
-from .dist_utils import all_errors, all_values, run_ranks
+from .dist_utils import all_values, run_ranks
 from .parity import build_model, max_diff
 
 pytestmark = pytest.mark.multiproc

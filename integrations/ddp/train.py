@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -191,4 +190,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from selzero_plugin.process_exit import exit_after
+
+    exit_after(main)  # ends with os._exit: see [Note: gloo teardown] in that module
