@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import math
 import os
 import weakref
@@ -50,7 +49,6 @@ from .selection import SelectedEntry, resolve_selection
 
 __all__ = ["SelectedZero2", "WindowState"]
 
-log = logging.getLogger("selzero")
 _FP32 = torch.float32
 _PHASE_END_MICROSTEP, _PHASE_REDUCE = 1, 2
 _ARG_NONE, _ARG_WEIGHT, _ARG_ACTIVE = 0, 1, 2
@@ -507,17 +505,17 @@ class SelectedZero2:
 
     def reduce_gradients(self, weight: Any = None, active: bool | None = None) -> None:
         """Finish the window: reduce, agree on presence / weight / non-finite, normalize."""
-        _, self._reduced_local_weight = self._close(_PHASE_REDUCE, weight=weight, active=active)
+        _, local_weight = self._close(_PHASE_REDUCE, weight=weight, active=active)
         v = len(self.layout.virtuals)
         counts = torch.zeros(1 + 2 * v, dtype=torch.int64, device=self.comm.device)
         if self.config.reduction == "weighted":
-            counts[0] = self._reduced_local_weight
+            counts[0] = local_weight
         elif self.config.reduction == "sum":
             counts[0] = int(self._active_any)
         counts[1:1 + v] = self._window_presence
         counts[1 + v:] = self._local_nonfinite()
         self.comm.all_reduce(counts)
-        global_weight = self._global_weight(int(counts[0]))
+        global_weight = self._global_weight(int(counts[0]), local_weight)
         presence, nonfinite = counts[1:1 + v], counts[1 + v:]
         expected = int(counts[0]) if self.config.reduction == "sum" else self.comm.size
         self._reduced = self._decide(global_weight, presence, nonfinite, expected)
@@ -525,13 +523,13 @@ class SelectedZero2:
             self.grad_shard.div_(global_weight)
         self.state = WindowState.REDUCED
 
-    def _global_weight(self, group_value: int) -> int:
+    def _global_weight(self, group_value: int, local_weight: int) -> int:
         mode = self.config.reduction
         if mode == "mean":
             return self.world_comm.size if self.config.normalize_over == "world" else self.comm.size
         if mode == "weighted" and self.config.normalize_over == "world" \
                 and self.world_comm is not self.comm:
-            total = torch.tensor([self._reduced_local_weight], dtype=torch.int64,
+            total = torch.tensor([local_weight], dtype=torch.int64,
                                  device=self.comm.device)
             self.world_comm.all_reduce(total)
             return int(total.item())
