@@ -29,10 +29,10 @@ from typing import Any, Iterator
 
 import torch
 
-from selzero_plugin.checkpoint import (CHUNKING, FORMAT, FORMAT_VERSION, Manifest, VirtualRecord,
-                                       whats)
-from selzero_plugin.checkpoint_tools import write_sharded
-from selzero_plugin.optim import jsonable
+from selzero_plugin.checkpoint.format import (CHUNKING, FORMAT, FORMAT_VERSION, Manifest,
+                                              VirtualRecord, whats)
+from selzero_plugin.checkpoint.tools import write_sharded
+from selzero_plugin.core.optim import jsonable
 
 _RSS = re.compile(r"Maximum resident set size \(kbytes\):\s*(\d+)")
 
@@ -93,7 +93,7 @@ def measure(params: int, numel: int, world: int, reshard_to: int, root: Path) ->
     write_sharded(src, manifest, synthetic_stream(manifest))
     generate_s = time.perf_counter() - start
     py = sys.executable
-    baseline_kb, _ = timed([py, "-c", "import torch, safetensors, selzero_plugin.checkpoint_tools"])
+    baseline_kb, _ = timed([py, "-c", "import torch, safetensors, selzero_plugin.checkpoint.tools"])
     reshard_kb, reshard_s = timed([py, "-m", "selzero_plugin.cli", "reshard", str(src),
                                    "--world-size", str(reshard_to), "--out", str(resharded)])
     consolidate_kb, consolidate_s = timed([py, "-m", "selzero_plugin.cli", "consolidate",

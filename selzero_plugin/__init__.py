@@ -1,13 +1,14 @@
 """selzero: ZeRO-2 for a chosen subset of a model's parameters, beside any host strategy."""
 
-from .clip import clip_grad_norm_
 from .config import SelZeroConfig
+from .core.clip import clip_grad_norm_
+from .core.report import MemoryReport, StepResult
+from .core.zero2 import SelectedZero2
 from .ddp import wrap_ddp
 from .errors import (CheckpointError, ConfigError, ContractError, MissingGradientError,
                      NonFiniteGradientError, OptimizerNotSupportedError, SelectionError,
                      SelZeroError, UsageError)
-from .report import MemoryReport, StepResult
-from .zero2 import SelectedZero2
+from . import checkpoint  # noqa: E402,F401 - registers the engine's checkpoint reader/writer
 
 __version__ = "0.1.0"
 

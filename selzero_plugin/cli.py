@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(nproc=args.nproc, steps=args.steps, out=args.out)
     if args.command in ("inspect", "reshard", "consolidate"):
-        from . import checkpoint_tools as tools
+        from .checkpoint import tools
 
         if args.command == "inspect":
             return tools.run_inspect(args.folder, verify_shards=args.verify)

@@ -37,8 +37,11 @@ class SelZeroConfig:
     reduction: str = "mean"
     """``mean``: divide by the group size (beside DDP / Accelerate / the HF Trainer);
     ``weighted``: divide by the all-reduced ``step(weight=...)``; ``sum``: no division."""
-    normalize_over: str = "group"
-    """``group``, or ``world`` under expert parallelism (gradients already summed over EP ranks)."""
+    normalize_over: Any = "group"
+    """The ranks the loss is averaged over: ``group`` (selzero's group), ``world``, a process
+    group or a list of global ranks (stored as the sorted list). Under expert parallelism expert
+    gradients arrive summed over the expert-parallel ranks, so the mean is over the
+    data-parallel ranks: the world, or under pipeline parallelism a group of the stage."""
     missing_grad: str = "zero"
     """A parameter without gradient on some ranks: ``zero`` (they contribute zeros), ``error``, ``skip``."""
     nonfinite: str = "error"
@@ -57,13 +60,21 @@ class SelZeroConfig:
     """Instance name: logs and checkpoint sub-folders."""
     broadcast: bool = True
     """Broadcast the selected parameters from group rank 0 at construction."""
+    overlap: bool = True
+    """Launch reduce-scatters during backward at the launch points (DESIGN.md); ``False``:
+    every bucket at the reduction point, strictly after the host's own collectives."""
+    launch_modules: list[str] = field(default_factory=list)
+    """Globs over module names: the launch unit of a selected parameter is the outermost matching
+    module that contains it (default: the block that holds an ``experts`` container, a fused
+    experts module itself, else the parameter's own module)."""
 
     def __post_init__(self) -> None:
         _check_str_list("params", self.params)
         _check_str_list("modules", self.modules)
         _check_str_list("extra_elementwise_optimizers", self.extra_elementwise_optimizers)
+        _check_str_list("launch_modules", self.launch_modules)
         _check_choice("reduction", self.reduction, REDUCTIONS)
-        _check_choice("normalize_over", self.normalize_over, NORMALIZE_OVER)
+        object.__setattr__(self, "normalize_over", _normalize_over(self.normalize_over))
         _check_choice("missing_grad", self.missing_grad, MISSING_GRAD)
         _check_choice("nonfinite", self.nonfinite, NONFINITE)
         if self.expert_dim is not None and (isinstance(self.expert_dim, bool) or self.expert_dim != 0):
@@ -75,8 +86,9 @@ class SelZeroConfig:
         _check_positive("timeout_s", self.timeout_s)
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ConfigError(f"name={self.name!r}: expected a non-empty string without '/'.")
-        if not isinstance(self.broadcast, bool):
-            raise ConfigError(f"broadcast={self.broadcast!r}: expected true or false.")
+        for flag in ("broadcast", "overlap"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag}={getattr(self, flag)!r}: expected true or false.")
         _check_param_groups(self.param_groups)
         for pattern in self.params:
             _check_pattern(pattern)
@@ -145,6 +157,23 @@ def _check_str_list(name: str, value: Any) -> None:
                           f"e.g. {name}=['*.experts.*'].")
 
 
+def _normalize_over(value: Any) -> str | list[int]:
+    """A choice, or the sorted global ranks of a process group or list."""
+    if isinstance(value, str):
+        _check_choice("normalize_over", value, NORMALIZE_OVER)
+        return value
+    if not isinstance(value, (list, tuple)) and type(value).__name__ == "ProcessGroup":
+        import torch.distributed as dist
+
+        value = dist.get_process_group_ranks(value)
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value) \
+            and len(set(value)) == len(value):
+        return sorted(value)
+    raise ConfigError(f"normalize_over={value!r}: expected 'group', 'world', a process group or a "
+                      "non-empty list of distinct global ranks (e.g. [0, 1, 2, 3]).")
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}"
@@ -201,13 +230,14 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def _parse_env_value(var: str, name: str, raw: str) -> Any:
-    if name in ("params", "modules", "param_groups", "extra_elementwise_optimizers"):
+    if name in ("params", "modules", "param_groups", "extra_elementwise_optimizers",
+                "launch_modules") or (name == "normalize_over" and raw.lstrip().startswith("[")):
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
             raise ConfigError(f"{var}={raw!r}: expected a JSON list, e.g. {var}='[\"*.experts.*\"]'.") \
                 from None
-    if name == "broadcast":
+    if name in ("broadcast", "overlap"):
         if raw.lower() in ("1", "true", "yes"):
             return True
         if raw.lower() in ("0", "false", "no"):

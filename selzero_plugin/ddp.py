@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .errors import UsageError
-from .zero2 import SelectedZero2
+from .core.zero2 import SelectedZero2
 
 __all__ = ["wrap_ddp", "SelZeroDDP"]
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from .config import SelZeroConfig
 from .ddp import wrap_ddp
-from .zero2 import SelectedZero2
+from .core.zero2 import SelectedZero2
 
 __all__ = ["launch", "worker", "DemoMoE", "DemoConfig"]
 

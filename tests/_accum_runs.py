@@ -68,6 +68,8 @@ def accumulate_run(rank: int, world: int, opt: str, mode: str, *, pattern: str =
         "phases": phases,
         "buckets": [(b.row_numel, [names[t] for t in b.entries]) for b in sz.layout.buckets],
         "virtuals": len(sz.layout.virtuals),
+        "entries": len(sz.trainable),
+        "units": len(sz.units.names),
     }
 
 
@@ -112,7 +114,8 @@ def usage_errors(rank: int, world: int) -> dict[str, tuple[str, str]]:
 
     model, sz = _fresh()
     _backward(model, rank, 0)
-    out["second_backward"] = _outcome(lambda: _backward(model, rank, 1))
+    _backward(model, rank, 1)  # seen at once, raised (on every rank) at the reduction point
+    out["second_backward"] = _outcome(sz.step)
 
     model, sz = _fresh()
     _backward(model, rank, 0)

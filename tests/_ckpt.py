@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from selzero_plugin import SelectedZero2, SelZeroConfig
-from selzero_plugin import atomic
+from selzero_plugin.checkpoint import atomic
 
 from .models import D, ToyMoE, make_batch
 
@@ -121,7 +121,7 @@ def state_of(sz: SelectedZero2) -> dict[str, Any]:
     """This rank's optimizer state and segment values, keyed by virtual parameter."""
     out: dict[str, Any] = {}
     for slot, seg in zip(sz.slots, sz.segments):
-        name = sz._virtual_name(slot.virtual)
+        name = sz.virtual_name(slot.virtual)
         out[f"{name}/value"] = seg.detach().clone()
         for k, v in sz.optimizer.state.get(seg, {}).items():
             out[f"{name}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -203,7 +203,7 @@ def load_many(rank: int, world: int, folders: list[str], *, kind: str, opt: str,
 def crash_while_saving(rank: int, world: int, folder: str, *, kind: str, opt: str, k: int,
                        point: str, crash_rank: int) -> None:
     """Train k steps (a state newer than the checkpoint's), save over ``folder``, and let
-    ``crash_rank`` die at ``point`` (see selzero_plugin.atomic.CRASH_POINTS)."""
+    ``crash_rank`` die at ``point`` (see selzero_plugin.checkpoint.atomic.CRASH_POINTS)."""
     model, sz = make(kind, opt, seed=0, config_overrides={"timeout_s": 20.0})
     train(model, sz, rank, range(k), k)
 

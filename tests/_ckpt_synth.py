@@ -13,10 +13,10 @@ from typing import Iterator
 
 import torch
 
-from selzero_plugin.checkpoint import (CHUNKING, FORMAT, FORMAT_VERSION, Manifest, VirtualRecord,
-                                       tensor_key, whats)
-from selzero_plugin.checkpoint_tools import write_sharded
-from selzero_plugin.optim import jsonable
+from selzero_plugin.checkpoint.format import (CHUNKING, FORMAT, FORMAT_VERSION, Manifest,
+                                              VirtualRecord, tensor_key, whats)
+from selzero_plugin.checkpoint.tools import write_sharded
+from selzero_plugin.core.optim import jsonable
 
 __all__ = ["ENTRIES", "VIRTUALS", "STEPS", "ADAMW_STATE", "hyperparameters", "manifest",
            "full_tensor", "stream", "write"]

@@ -104,13 +104,13 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
     for e in sz.trainable:
         e.param.register_hook(lambda g: grads.append(StorageWeakRef(g.untyped_storage())))
     buffers: list[StorageWeakRef] = []
-    reduce_scatter = sz.comm.reduce_scatter
+    reduce_scatter = sz.comm.reduce_scatter_rows
 
-    def tracking_reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kw: Any) -> Any:
-        buffers.append(StorageWeakRef(input.untyped_storage()))
-        return reduce_scatter(output, input, **kw)
+    def tracking_reduce_scatter(buffer: torch.Tensor) -> Any:
+        buffers.append(StorageWeakRef(buffer.untyped_storage()))
+        return reduce_scatter(buffer)
 
-    sz.comm.reduce_scatter = tracking_reduce_scatter
+    sz.comm.reduce_scatter_rows = tracking_reduce_scatter
     in_backward: list[int] = []
 
     def count_alive(_grad: torch.Tensor) -> None:
@@ -118,7 +118,7 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
         in_backward.append(sum(not r.expired() for r in grads))
 
     model.inp.weight.register_hook(count_alive)
-    out: dict[str, Any] = {"buckets": len(sz.buckets), "steps": []}
+    out: dict[str, Any] = {"buckets": len(sz.layout.buckets), "steps": []}
     for step in range(2):
         grads.clear()
         buffers.clear()
@@ -133,8 +133,8 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
         gc.collect()
         record["buffers_reduced"] = len(buffers)
         record["buffers_alive_after_reduction"] = sum(not r.expired() for r in buffers)
-        record["bucket_buffers_held"] = [i for i, b in enumerate(sz.buckets)
-                                         if b.buffer is not None]
+        record["bucket_buffers_held"] = [i for i, b in enumerate(sz.collectives.buffers)
+                                         if b is not None]
         sz.step()
         model.zero_grad(set_to_none=True)
         out["steps"].append(record)

@@ -4,8 +4,9 @@
   model's no_sync() or sz.no_sync(), all equal one process accumulating the mean of the ranks'
   losses over the 3 micro-steps (1e-6; observed ~3e-8).
 - Schedule: whatever the routing, every rank issues the same collectives in the same order:
-  one reduce-scatter per bucket per reduction point, in bucket order, then the small
-  all-reduces; local micro-steps issue none; the step all-gathers the updated buckets in order.
+  one reduce-scatter per bucket per reduction point, in bucket order, then one all-reduce of the
+  control vector; local micro-steps issue none; the step all-gathers the updated buckets in
+  order.
 - Usage errors for phases called in an order that cannot work.
 """
 
@@ -67,11 +68,13 @@ def test_accumulated_window_matches_single_process_reference(world, case):
 
 # ---- the schedule of collectives ------------------------------------------------------------
 
-def _reduction_point(buckets: list, world: int, virtuals: int, *, final: bool) -> list[tuple]:
+def _reduction_point(buckets: list, world: int, out: dict[str, Any]) -> list[tuple]:
     expected = [("reduce_scatter", world * rows, F32) for rows, _names in buckets]
-    expected.append(("all_reduce", world, I64))  # per-rank signature of the call and arguments
-    if final:
-        expected.append(("all_reduce", 1 + 2 * virtuals, I64))  # weight, presence, non-finite
+    # one control vector, whatever the phase: per rank its call signature and three flags
+    # (second backward, dropped windows, opened); active, weight, non-finite; a late-gradient
+    # flag per entry, a fired count per launch unit, presence per virtual parameter
+    size = 4 * world + 3 + out["entries"] + out["units"] + out["virtuals"]
+    expected.append(("all_reduce", size, I64))
     return expected
 
 
@@ -109,15 +112,15 @@ def test_small_bucket_size_gives_several_buckets(world):
 def test_reduction_point_reduce_scatters_each_bucket_once_in_bucket_order(world, case):
     _opt, mode, _pattern = case
     for out in _run(world, case):
-        buckets, virtuals = out["buckets"], out["virtuals"]
+        buckets = out["buckets"]
         for phase in out["phases"]:
             micro = phase["micro"]
             for m in range(MICRO_STEPS - 1):
                 if mode == "end_microstep":
-                    assert micro[m] == _reduction_point(buckets, world, virtuals, final=False)
+                    assert micro[m] == _reduction_point(buckets, world, out)
                 else:  # local micro-steps communicate nothing
                     assert micro[m] == []
-            assert micro[-1] == _reduction_point(buckets, world, virtuals, final=True)
+            assert micro[-1] == _reduction_point(buckets, world, out)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -2,7 +2,7 @@
 ``load_checkpoint(folder)`` and the interrupted one detected as incomplete ([Note: atomic save]).
 
 A 2-rank save over an existing checkpoint is killed (``os._exit``) at each point of
-``selzero_plugin.atomic.CRASH_POINTS``: rank 1 while writing its shard, and rank 0 (the rank that
+``selzero_plugin.checkpoint.atomic.CRASH_POINTS``: rank 1 while writing its shard, and rank 0 (the rank that
 puts the folder in place) before the renames, between them, and before deleting the old folder.
 One more 2-rank launch then loads every folder. The unit tests at the end drive the same
 protocol in one process.
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from selzero_plugin import atomic
+from selzero_plugin.checkpoint import atomic
 from selzero_plugin.checkpoint import resolve_folder
-from selzero_plugin.checkpoint_tools import inspect
+from selzero_plugin.checkpoint.tools import inspect
 from selzero_plugin.errors import CheckpointError
 
 from . import _ckpt

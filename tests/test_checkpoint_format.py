@@ -16,9 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import selzero_plugin
-from selzero_plugin import atomic, checkpoint, checkpoint_tools, safetensors_io
+from selzero_plugin.checkpoint import atomic, load, safetensors_io, save
+from selzero_plugin.checkpoint import format as checkpoint
+from selzero_plugin.checkpoint import tools as checkpoint_tools
 from selzero_plugin.checkpoint import chunk_range, shard_file_name, virtual_key
-from selzero_plugin.safetensors_io import StreamingWriter, TensorPlan
+from selzero_plugin.checkpoint.safetensors_io import StreamingWriter, TensorPlan
 
 from . import _ckpt
 from .dist_utils import all_values, run_ranks
@@ -162,7 +164,7 @@ def test_cannot_stream_tensors_out_of_plan(tmp_path):
 
 def test_no_pickle_in_the_checkpoint_code_except_the_explicit_torch_export():
     """Shards are safetensors, the manifest JSON; the only torch.save is the export."""
-    for module in (checkpoint, checkpoint_tools, atomic, safetensors_io):
+    for module in (checkpoint, save, load, checkpoint_tools, atomic, safetensors_io):
         source = inspect.getsource(module)
         assert "import pickle" not in source and "torch.load" not in source
         saves = source.count("torch.save(")

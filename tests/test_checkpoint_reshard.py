@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from selzero_plugin import checkpoint_tools as tools
+from selzero_plugin.checkpoint import tools
 
 from . import _ckpt
 from .dist_utils import all_values, run_ranks

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from selzero_plugin import checkpoint_tools as tools
+from selzero_plugin.checkpoint import tools
 from selzero_plugin.checkpoint import chunk_range, read_manifest, shard_file_name, tensor_key
 from selzero_plugin.errors import CheckpointError
-from selzero_plugin.layout import EntrySpec, plan_layout
+from selzero_plugin.core.layout import EntrySpec, plan_layout
 
 from . import _ckpt_synth as synth
 

@@ -17,7 +17,8 @@ def test_defaults_are_the_documented_ones():
         "params": ["*.experts.*"], "modules": [], "reduction": "mean", "normalize_over": "group",
         "missing_grad": "zero", "nonfinite": "error", "expert_dim": None, "bucket_mb": 25.0,
         "param_groups": [], "extra_elementwise_optimizers": [], "timeout_s": 600.0,
-        "name": "selected_zero2", "broadcast": True}
+        "name": "selected_zero2", "broadcast": True,
+        "overlap": True, "launch_modules": []}
 
 
 def test_config_error_is_a_value_error():
@@ -174,6 +175,9 @@ def test_cannot_build_from_an_empty_environment():
     ("param_groups", [{"params": ["re:("]}], "invalid regular expression"),
     ("name", "a/b", "without '/'"),
     ("broadcast", "yes", "true or false"),
+    ("overlap", 1, "true or false"),
+    ("launch_modules", "layers.*", "list of non-empty strings"),
+    ("normalize_over", "everyone", "'group', 'world'"),
 ])
 def test_cannot_build_with_an_invalid_value(field, value, needle):
     kwargs = {"params": ["experts.*"], field: value}

@@ -167,7 +167,7 @@ def test_expert_dim_none_fused_tensor_is_one_stock_parameter(fused):
 
 def test_fused_experts_are_split_under_a_submodule_named_like_a_module_method():
     """``model.half`` is also ``nn.Module.half``: finding the owner must not go through getattr."""
-    from selzero_plugin.selection import resolve_selection
+    from selzero_plugin.core.selection import resolve_selection
 
     from ._memory import FusedExperts
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selzero_plugin.layout import EntrySpec, plan_layout
+from selzero_plugin.core.layout import EntrySpec, plan_layout
 
 DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 

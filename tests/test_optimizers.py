@@ -257,7 +257,7 @@ def test_cannot_use_unknown_optimizer_without_extra_elementwise_optimizers(label
 def test_refusals_need_no_distributed_run_to_be_decided():
     """check_elementwise is the pure rule the constructor applies (cheap, no processes)."""
     from selzero_plugin.errors import OptimizerNotSupportedError
-    from selzero_plugin.optim import check_elementwise
+    from selzero_plugin.core.optim import check_elementwise
 
     for cls in (torch.optim.Adafactor, torch.optim.Muon, torch.optim.LBFGS, Lion):
         with pytest.raises(OptimizerNotSupportedError):

@@ -82,8 +82,8 @@ def _bucket_memory_during_backward(rank: int, world: int) -> dict:
     sz = SelectedZero2(model, SelZeroConfig(params=["*"], bucket_mb=0.01), torch.optim.SGD,
                        {"lr": 0.1})
     model(torch.randn(2, 64)).sum().backward()
-    in_flight = len(sz._pending)
-    buckets = len(sz.buckets)
+    in_flight = len(sz.collectives.pending)
+    buckets = len(sz.layout.buckets)
     sz.step()
     return {"buckets": buckets, "in_flight": in_flight}
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from selzero_plugin import SelectionError
-from selzero_plugin.layout import ceil_div
-from selzero_plugin.selection import resolve_selection
+from selzero_plugin.core.layout import ceil_div
+from selzero_plugin.core.selection import resolve_selection
 
 from ._selection import FROZEN, freeze, reference, selection_rank, tie
 from ._state import moved, strip_rank_prefix, value_of

@@ -6,8 +6,9 @@ from typing import Iterable
 
 import torch
 
-from .errors import UsageError
-from .zero2 import SelectedZero2, WindowState
+from ..errors import UsageError
+from .window import WindowState
+from .zero2 import SelectedZero2
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -37,13 +38,13 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     for sz in subsets:
         if sz.state is not WindowState.REDUCED:
             sz.reduce_gradients()
-        if sz.world_comm is not sz.comm:  # a proper subgroup: its experts are its own
+        if not sz.spans_world:  # a proper subgroup: its experts are its own
             part = sz.local_grad_norm_squared().reshape(1)
             world_sq = part.clone() if world_sq is None else world_sq + part
         else:
             total = total + sz.grad_norm_squared().to(device)
     if world_sq is not None:
-        next(s for s in subsets if s.world_comm is not s.comm).world_comm.all_reduce(world_sq)
+        next(s for s in subsets if not s.spans_world).world_communicator().all_reduce(world_sq)
         total = total + world_sq[0].to(device)
     return total.sqrt(), grads, subsets
 

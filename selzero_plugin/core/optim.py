@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, OptimizerNotSupportedError
+from ..errors import ConfigError, OptimizerNotSupportedError
 from .selection import SelectedEntry, matches_any
 
-__all__ = ["ELEMENTWISE", "GroupPlan", "resolve_optimizer_class", "check_elementwise",
-           "check_hyperparameters",
-           "plan_groups", "plan_groups_from_host", "qualified_name", "jsonable"]
+__all__ = ["ELEMENTWISE", "GroupPlan", "SegmentOptimizer", "resolve_optimizer_class",
+           "check_elementwise", "check_hyperparameters", "plan_groups", "plan_groups_from_host",
+           "build_optimizer", "qualified_name", "jsonable"]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -185,3 +185,32 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+class SegmentOptimizer:
+    """An unmodified ``torch.optim`` optimizer over this rank's segment parameters.
+
+    ``plans[g]`` lists the trainable entries of optimizer group g; each segment joins the group
+    of its entry. A host optimizer instance, when given, is mirrored: its scheduled values are
+    re-read into the groups before every step.
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
+                 plans: list[GroupPlan], segments: list[nn.Parameter], entry_of_segment: list[int],
+                 host: torch.optim.Optimizer | None) -> None:
+        self.cls = cls
+        self.plans = plans
+        self.host = host
+        self.group_of_entry = {t: g for g, plan in enumerate(plans) for t in plan.members}
+        per_group: list[list[nn.Parameter]] = [[] for _ in plans]
+        for seg, t in zip(segments, entry_of_segment):
+            per_group[self.group_of_entry[t]].append(seg)
+        self.optimizer = build_optimizer(cls, plans, per_group, defaults)
+
+    def prepare(self, lr: float | None) -> None:
+        """The hyperparameters of this step: the host's scheduled values, then ``lr``."""
+        if self.host is not None:
+            refresh_from_host(self.optimizer, self.plans, self.host)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr

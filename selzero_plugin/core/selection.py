@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import SelectionError
+from ..errors import SelectionError
 
 __all__ = ["SelectedEntry", "resolve_selection", "matches_any", "SUPPORTED_DTYPES"]
 

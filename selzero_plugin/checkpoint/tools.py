@@ -42,10 +42,10 @@ from safetensors import safe_open
 
 from .atomic import (MANIFEST_NAME, is_staging, make_staging, previous_folder, put_in_place,
                      refuse_to_replace)
-from .checkpoint import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard,
-                         chunk_range, consolidated_plan, read_manifest, shard_file_name,
-                         shard_plan, tensor_key, whats, write_manifest)
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from .format import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard, chunk_range,
+                     consolidated_plan, read_manifest, shard_file_name, shard_plan, tensor_key,
+                     whats, write_manifest)
 from .safetensors_io import LazyShard, StreamingWriter
 
 __all__ = ["open_checkpoint", "verify", "iter_full_state", "write_sharded", "reshard",

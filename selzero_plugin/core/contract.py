@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from .comm import Communicator
-from . import errors
-from .errors import ContractError, SelZeroError
+from .. import errors
+from ..errors import ContractError, SelZeroError
 
 __all__ = ["Field", "check_contract", "agree_on_local_errors", "first_difference", "digest"]
 
@@ -89,14 +89,40 @@ def _decode(data: bytes) -> list[Field]:
     return [(k, v) for k, v in json.loads(data.decode())]
 
 
-def agree_on_local_errors(comm: Communicator, error: SelZeroError | None, *, what: str) -> None:
-    """If any rank failed a local check, raise that rank's error (same class) on every rank."""
-    flags = torch.zeros(comm.size, dtype=torch.int64, device=comm.device)
-    flags[comm.rank] = int(error is not None)
-    comm.all_reduce(flags)
-    failed = flags.nonzero().flatten().tolist()
-    if not failed:
-        return
+def agree_on_local_errors(comm: Communicator, error: SelZeroError | None, *, what: str,
+                          token: bytes | None = None,
+                          token_error: type[SelZeroError] = ContractError,
+                          token_what: str = "value") -> None:
+    """If any rank failed a local check, raise that rank's error (same class) on every rank.
+
+    With ``token`` (e.g. the sha256 of a file each rank read), the same exchange also checks
+    that every rank holds the same token, and raises ``token_error`` on every rank otherwise.
+    """
+    words = _token_words(token)
+    rows = torch.zeros(comm.size * (1 + len(words)), dtype=torch.int64, device=comm.device)
+    mine = torch.tensor([int(error is not None), *words], dtype=torch.int64, device=comm.device)
+    comm.all_gather(rows, mine)
+    table = rows.view(comm.size, -1).tolist()
+    failed = [r for r in range(comm.size) if table[r][0]]
+    if failed:
+        _raise_first(comm, error, failed, what)
+    differing = [r for r in range(comm.size) if table[r][1:] != table[0][1:]]
+    if differing:
+        raise token_error(
+            f"[rank {comm.rank}/{comm.size}] {what}: group rank {differing[0]} holds a different "
+            f"{token_what} than group rank 0 ({len(differing)} rank(s) differ: "
+            f"{differing[:8]}); every rank must use the same one.")
+
+
+def _token_words(token: bytes | None) -> list[int]:
+    if token is None:
+        return []
+    raw = hashlib.sha256(token).digest()
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _raise_first(comm: Communicator, error: SelZeroError | None, failed: list[int],
+                 what: str) -> None:
     first = failed[0]
     payload = f"{type(error).__name__}\n{error}".encode() if error is not None else None
     name, _, message = comm.broadcast_bytes(payload, src=first).decode().partition("\n")

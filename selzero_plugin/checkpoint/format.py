@@ -26,10 +26,12 @@ in the live optimizer.
 Loading checks, in this order and on every rank (DESIGN.md section 2): manifest present and
 readable, format version, group size, contract (names, aliases, shapes, dtypes, frozen flags,
 expert split), optimizer class and state keys, then this rank's shard (present, byte size,
-sha256, the tensors the manifest implies). The ranks agree on the verdict (the first failing
-rank's error is raised on every rank) before anything changes. Then each rank copies its values
-into its segments and state into its optimizer, and one all-gather rebuilds the full
-parameters, so every rank holds the saved values. Runtime settings (lr and the other
+sha256, the tensors the manifest implies). Each rank then reads every tensor of its shard into
+fresh memory. The ranks agree on the verdict (the first failing rank's error is raised on every
+rank) *and on the sha256 of the manifest they read* (ranks pointed at different complete
+checkpoints all raise) before anything changes (load.py). Then each rank swaps its values into
+its segments and state into its optimizer, and one all-gather rebuilds the full parameters, so
+every rank holds the saved values. Runtime settings (lr and the other
 hyperparameters, ``bucket_mb``, ``reduction``, ``timeout_s``) are this run's, not the saved
 ones: the manifest records them for reference only.
 """
@@ -38,32 +40,26 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from .atomic import (MANIFEST_NAME, crash_point, fsync_file, leftover_stagings, make_staging,
-                     previous_folder, put_in_place, refuse_to_replace)
-from .contract import agree_on_local_errors
-from .errors import CheckpointError, SelZeroError, UsageError
-from .layout import ceil_div
-from .optim import GroupPlan, build_optimizer, jsonable, qualified_name
-from .safetensors_io import (DTYPE_CODES, LazyShard, StreamingWriter, TensorPlan,
-                             dtype_from_name, dtype_name, read_header, sha256_file)
-# The engine calls this module from its save/load methods (importing it on use), so importing
-# the engine here makes no cycle at import time.
-from .zero2 import SelectedZero2, WindowState
+from ..core.layout import ceil_div
+from ..core.optim import GroupPlan, build_optimizer, qualified_name
+from ..core.view import ShardView
+from ..errors import CheckpointError
+from .atomic import MANIFEST_NAME, fsync_file, leftover_stagings, previous_folder
+from .safetensors_io import (DTYPE_CODES, TensorPlan, dtype_from_name, dtype_name, read_header,
+                             sha256_file)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "CHUNKING",
            "shard_file_name", "virtual_key", "tensor_key", "chunk_range", "StateSpec",
            "VirtualRecord", "Manifest", "read_manifest", "write_manifest", "resolve_folder",
-           "shard_plan", "consolidated_plan", "whats", "check_shard", "save_checkpoint",
-           "load_checkpoint"]
+           "shard_plan", "consolidated_plan", "whats", "check_shard", "RunSchema", "describe_run",
+           "probe_state", "check_against_run"]
 
 FORMAT = "selzero-checkpoint"
 FORMAT_VERSION = 1
@@ -71,7 +67,6 @@ VALUE = "value"
 ELEMENTWISE, SCALAR = "elementwise", "scalar"
 CHUNKING = ("flat; chunk = ceil(numel / group_size); group rank r holds elements "
             "[r * chunk, min((r + 1) * chunk, numel)); padding is not saved")
-_T = TypeVar("_T")
 
 
 def shard_file_name(rank: int, world: int) -> str:
@@ -310,20 +305,19 @@ class RunSchema:
     group_state: list[dict[str, StateSpec]]
 
 
-def describe_run(sz: SelectedZero2) -> RunSchema:
+def describe_run(view: ShardView) -> RunSchema:
     entries = [{"name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
                 "dtype": dtype_name(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts}
-               for e in sz.entries]
-    group_of_entry = {t: g for g, plan in enumerate(sz._plans) for t in plan.members}
+               for e in view.entries]
     virtuals = []
-    for spec in sz.layout.virtuals:
-        e = sz.trainable[spec.entry]
+    for spec in view.virtuals:
+        e = view.trainable[spec.entry]
         shape = tuple(e.param.shape) if spec.expert is None else tuple(e.param.shape[1:])
         virtuals.append(VirtualRecord(virtual_key(e.name, spec.expert), e.name, spec.expert,
-                                      spec.numel, shape, group_of_entry[spec.entry], False))
-    state = [probe_state(sz._opt_cls, plan.hyper, sz.optimizer.defaults, sz.comm.device)
-             for plan in sz._plans]
-    return RunSchema(entries, virtuals, qualified_name(sz._opt_cls), state)
+                                      spec.numel, shape, view.group_of_entry[spec.entry], False))
+    state = [probe_state(view.optimizer_class, hyper, view.optimizer.defaults, view.comm.device)
+             for hyper in view.group_hyperparameters]
+    return RunSchema(entries, virtuals, qualified_name(view.optimizer_class), state)
 
 
 def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
@@ -349,7 +343,7 @@ def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
     return specs
 
 
-def _check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where: str) -> None:
+def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where: str) -> None:
     """Group size, contract, optimizer class and state keys (the order of DESIGN.md section 2)."""
     if manifest.group_size != group_size:
         raise CheckpointError(
@@ -406,169 +400,3 @@ def _check_entries(saved: list[dict[str, Any]], current: list[dict[str, Any]], w
 def _describe_state(specs: dict[str, StateSpec]) -> str:
     described = (f"{k}: {s.kind} {dtype_name(s.dtype)}" for k, s in sorted(specs.items()))
     return "{" + ", ".join(described) + "}"
-
-
-# ---- save ----------------------------------------------------------------------------------
-
-
-def _local(fn: Callable[..., _T], *args: Any) -> tuple[_T | None, SelZeroError | None]:
-    """Run a rank-local phase; any failure becomes an error to agree on (never a hang)."""
-    try:
-        return fn(*args), None
-    except SelZeroError as e:
-        return None, e
-    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
-        return None, CheckpointError(f"{type(e).__name__}: {e}")
-
-
-def save_checkpoint(sz: SelectedZero2, folder: str | Path) -> None:
-    """Every rank of the group calls this; see [Note: checkpoint format] and [Note: atomic save]."""
-    folder = Path(folder)
-    comm = sz.comm
-    what = f"save_checkpoint({folder})"
-    run, error = _local(describe_run, sz)
-    staging: Path | None = None
-    if comm.rank == 0 and error is None:
-        staging, error = _local(_prepare_staging, folder)
-    try:
-        agree_on_local_errors(comm, error, what=what)
-        staging = Path(comm.broadcast_bytes(str(staging).encode() if comm.rank == 0 else None)
-                       .decode())
-        record, error = _local(_write_shard, sz, run, staging)
-        agree_on_local_errors(comm, error, what=what)
-        records = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
-        if comm.rank == 0:
-            _, error = _local(_finish, sz, run, records, staging, folder)
-        agree_on_local_errors(comm, error, what=what)
-    except SelZeroError:
-        if comm.rank == 0 and staging is not None and staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _prepare_staging(folder: Path) -> Path:
-    reason = refuse_to_replace(folder)
-    if reason is not None:
-        raise CheckpointError(reason)
-    return make_staging(folder)
-
-
-def _write_shard(sz: SelectedZero2, run: RunSchema, staging: Path) -> dict[str, Any]:
-    rank, world = sz.comm.rank, sz.comm.size
-    items: list[tuple[str, torch.Tensor]] = []
-    stateful: list[int] = []
-    for i in sorted(range(len(sz.slots)), key=lambda i: sz.slots[i].virtual):
-        slot, seg = sz.slots[i], sz.segments[i]
-        v = run.virtuals[slot.virtual]
-        items.append((tensor_key(v.key, VALUE), seg.detach()))
-        state = sz.optimizer.state.get(seg) or {}
-        if not state:
-            continue
-        specs = run.group_state[v.group]
-        if set(state) != set(specs):
-            raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(state)}, "
-                                  f"expected {sorted(specs)} from one step of "
-                                  f"{run.optimizer_class}.")
-        stateful.append(slot.virtual)
-        for key in sorted(specs):
-            tensor = state[key].detach()
-            if specs[key].kind == ELEMENTWISE:
-                tensor = tensor.reshape(-1)
-            items.append((tensor_key(v.key, key), tensor))
-    name = shard_file_name(rank, world)
-    plan = [TensorPlan(k, t.dtype, tuple(t.shape)) for k, t in items]
-    with StreamingWriter(staging / name, plan, {"format": "pt"}) as writer:
-        for n, (key, tensor) in enumerate(items):
-            writer.write(key, tensor)
-            if n == 0:
-                writer.flush()
-                crash_point("mid_shard")
-        if not items:
-            crash_point("mid_shard")
-        size, digest = writer.close()
-    return {"rank": rank, "file": name, "bytes": size, "sha256": digest, "stateful": stateful}
-
-
-def _finish(sz: SelectedZero2, run: RunSchema, records: list[dict[str, Any]], staging: Path,
-            folder: Path) -> None:
-    stateful = {v for r in records for v in r["stateful"]}
-    virtuals = [VirtualRecord(v.key, v.entry, v.expert, v.numel, v.shape, v.group,
-                              i in stateful).to_json() for i, v in enumerate(run.virtuals)]
-    cfg = sz.config
-    from . import __version__
-
-    raw = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "package_version": __version__,
-        "name": cfg.name,
-        "group_size": sz.comm.size,
-        "contract": {"entries": run.entries, "chunking": CHUNKING},
-        "virtuals": virtuals,
-        # hyperparameters as the optimizer used them last (defaults filled in, scheduled lr)
-        "optimizer": {"class": run.optimizer_class, "param_groups": [
-            {"hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
-             "state": {k: s.to_json() for k, s in sorted(state.items())}}
-            for group, state in zip(sz.optimizer.param_groups, run.group_state)]},
-        "normalization": {"reduction": cfg.reduction, "normalize_over": cfg.normalize_over,
-                          "missing_grad": cfg.missing_grad, "nonfinite": cfg.nonfinite},
-        "config": cfg.to_dict(),
-        "shards": [{k: r[k] for k in ("rank", "file", "bytes", "sha256")}
-                   for r in sorted(records, key=lambda r: r["rank"])],
-    }
-    Manifest.from_json(raw, where="manifest being written")  # the writer checks its own output
-    write_manifest(staging, raw)
-    put_in_place(staging, folder)
-
-
-# ---- load ----------------------------------------------------------------------------------
-
-
-def load_checkpoint(sz: SelectedZero2, folder: str | Path) -> None:
-    """Every rank calls this: all ranks load, or all raise the same error and keep their state."""
-    folder = Path(folder)
-    comm = sz.comm
-    checked, error = _local(_check_for_load, sz, folder)
-    agree_on_local_errors(comm, error, what=f"load_checkpoint({folder})")
-    path, manifest, shard, notes = checked
-    for note in notes:
-        warnings.warn(f"[rank {comm.rank}/{comm.size}] load_checkpoint({folder}): {note}",
-                      stacklevel=3)
-    # Reading can still fail (an I/O error after the checks): agree before the all-gather, so
-    # one rank's failure is every rank's error instead of a hang.
-    _, error = _local(_apply_local, sz, manifest, shard)
-    agree_on_local_errors(comm, error, what=f"load_checkpoint({folder})")
-    sz._all_gather([True] * len(sz.layout.virtuals))
-    sz._discard_window()
-
-
-def _check_for_load(sz: SelectedZero2, folder: Path
-                    ) -> tuple[Path, Manifest, Path, list[str]]:
-    if sz.state in (WindowState.OPEN, WindowState.AWAITING_CLOSE, WindowState.REDUCED):
-        raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
-                         f"state {sz.state.value}); call it before training or right after step().")
-    path, notes = resolve_folder(folder)
-    manifest = read_manifest(path)
-    _check_against_run(manifest, describe_run(sz), sz.comm.size, str(path))
-    shard = check_shard(path, manifest, sz.comm.rank)
-    return path, manifest, shard, notes
-
-
-def _apply_local(sz: SelectedZero2, manifest: Manifest, shard: Path) -> None:
-    """Values into segments, state into the optimizer (the caller all-gathers the parameters)."""
-    sz.sync_from_params()  # re-bind fp32 segments if the host replaced parameter storage
-    optimizer = sz.optimizer
-    index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    with LazyShard(shard) as reader, torch.no_grad():
-        for slot, seg in zip(sz.slots, sz.segments):
-            v = manifest.virtuals[slot.virtual]
-            seg.detach().copy_(reader.read(tensor_key(v.key, VALUE)))
-            if v.stateful:
-                state[index[id(seg)]] = {
-                    key: reader.read(tensor_key(v.key, key)).reshape(
-                        seg.shape if spec.kind == ELEMENTWISE else ())
-                    for key, spec in manifest.group_state[v.group].items()}
-    current = optimizer.state_dict()
-    # This run's hyperparameters stay (runtime settings); only the state is replaced.
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})

@@ -1,0 +1,90 @@
+"""Loading: check, read into fresh memory, agree, then swap ([Note: checkpoint format]).
+
+Every rank checks the checkpoint against its run and reads every tensor of its shard into new
+tensors, changing nothing. One exchange then agrees on the verdict and on the sha256 of the
+manifest each rank read: a rank whose read failed (an I/O error after the checks), or ranks
+pointed at different complete checkpoints (node-local copies, a stale network view, one rank
+falling back to ``.previous``), make every rank raise with its state untouched. Only then does
+every rank swap the new tensors in (``ShardView.install``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.contract import agree_on_local_errors
+from ..core.view import ShardView
+from ..errors import CheckpointError, UsageError
+from .atomic import MANIFEST_NAME
+from .format import (ELEMENTWISE, VALUE, Manifest, check_against_run, check_shard, describe_run,
+                     read_manifest, resolve_folder, tensor_key)
+from .safetensors_io import LazyShard
+from .save import local_phase
+
+__all__ = ["load_checkpoint"]
+
+
+@dataclass
+class _Read:
+    notes: list[str]
+    manifest_sha256: bytes
+    values: list[torch.Tensor]  # one per slot, in slot order
+    states: dict[int, dict[str, torch.Tensor]]  # by slot index
+
+
+def load_checkpoint(view: ShardView, folder: str | Path) -> None:
+    """Every rank calls this: all ranks load, or all raise the same error and keep their state."""
+    folder = Path(folder)
+    comm = view.comm
+    what = f"load_checkpoint({folder})"
+    read, error = local_phase(_check_and_read, view, folder)
+    agree_on_local_errors(comm, error, what=what,
+                          token=b"" if read is None else read.manifest_sha256,
+                          token_error=CheckpointError,
+                          token_what="checkpoint (the sha256 of its manifest.json differs)")
+    for note in read.notes:
+        warnings.warn(f"[rank {comm.rank}/{comm.size}] {what}: {note}", stacklevel=3)
+    view.install(read.values, read.states)
+
+
+def _check_and_read(view: ShardView, folder: Path) -> _Read:
+    if not view.idle:
+        raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
+                         f"state {view.window_state}); call it before training or right after "
+                         "step().")
+    path, notes = resolve_folder(folder)
+    manifest = read_manifest(path)
+    sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()
+    check_against_run(manifest, describe_run(view), view.comm.size, str(path))
+    shard = check_shard(path, manifest, view.comm.rank)
+    values, states = _read_shard(view, manifest, shard)
+    return _Read(notes, sha, values, states)
+
+
+def _read_shard(view: ShardView, manifest: Manifest, shard: Path
+                ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    device = view.comm.device
+    values: list[torch.Tensor] = []
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with LazyShard(shard) as reader:
+        for i, chunk in enumerate(view.chunks()):
+            v = manifest.virtuals[chunk.slot.virtual]
+            values.append(_fresh(reader.read(tensor_key(v.key, VALUE)), device))
+            if v.stateful:
+                shape = chunk.segment.shape
+                states[i] = {key: _fresh(reader.read(tensor_key(v.key, key)), device).reshape(
+                    shape if spec.kind == ELEMENTWISE else ())
+                    for key, spec in manifest.group_state[v.group].items()}
+    if len(values) != len(view.chunks()):
+        raise CheckpointError(f"{shard}: expected {len(view.chunks())} value tensors")
+    return values, states
+
+
+def _fresh(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy in new memory (never a view of the file's mapping)."""
+    return tensor.to(device=device, copy=True)

@@ -1,0 +1,133 @@
+"""Saving: every rank writes its shard into a staging folder; one rank writes the manifest last
+and puts the folder in place ([Note: checkpoint format] in format.py, [Note: atomic save] in
+atomic.py). A failure on any rank is raised on every rank, and the staging folder removed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from ..core.contract import agree_on_local_errors
+from ..core.optim import jsonable
+from ..core.view import ShardView
+from ..errors import CheckpointError, SelZeroError
+from .atomic import crash_point, make_staging, put_in_place, refuse_to_replace
+from .format import (CHUNKING, ELEMENTWISE, FORMAT, FORMAT_VERSION, VALUE, Manifest, RunSchema,
+                     VirtualRecord, describe_run, shard_file_name, tensor_key, write_manifest)
+from .safetensors_io import StreamingWriter, TensorPlan
+
+__all__ = ["save_checkpoint", "local_phase"]
+
+_T = TypeVar("_T")
+
+
+def local_phase(fn: Callable[..., _T], *args: Any) -> tuple[_T | None, SelZeroError | None]:
+    """Run a rank-local phase; any failure becomes an error to agree on (never a hang)."""
+    try:
+        return fn(*args), None
+    except SelZeroError as e:
+        return None, e
+    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
+        return None, CheckpointError(f"{type(e).__name__}: {e}")
+
+
+def save_checkpoint(view: ShardView, folder: str | Path) -> None:
+    """Every rank of the group calls this."""
+    folder = Path(folder)
+    comm = view.comm
+    what = f"save_checkpoint({folder})"
+    run, error = local_phase(describe_run, view)
+    staging: Path | None = None
+    if comm.rank == 0 and error is None:
+        staging, error = local_phase(_prepare_staging, folder)
+    try:
+        agree_on_local_errors(comm, error, what=what)
+        staging = Path(comm.broadcast_bytes(str(staging).encode() if comm.rank == 0 else None)
+                       .decode())
+        record, error = local_phase(_write_shard, view, run, staging)
+        agree_on_local_errors(comm, error, what=what)
+        records = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
+        if comm.rank == 0:
+            _, error = local_phase(_finish, view, run, records, staging, folder)
+        agree_on_local_errors(comm, error, what=what)
+    except SelZeroError:
+        if comm.rank == 0 and staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _prepare_staging(folder: Path) -> Path:
+    reason = refuse_to_replace(folder)
+    if reason is not None:
+        raise CheckpointError(reason)
+    return make_staging(folder)
+
+
+def _write_shard(view: ShardView, run: RunSchema, staging: Path) -> dict[str, Any]:
+    rank, world = view.comm.rank, view.comm.size
+    items: list[tuple[str, torch.Tensor]] = []
+    stateful: list[int] = []
+    for chunk in sorted(view.chunks(), key=lambda c: c.slot.virtual):
+        v = run.virtuals[chunk.slot.virtual]
+        items.append((tensor_key(v.key, VALUE), chunk.segment.detach()))
+        if not chunk.state:
+            continue
+        specs = run.group_state[v.group]
+        if set(chunk.state) != set(specs):
+            raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(chunk.state)}, "
+                                  f"expected {sorted(specs)} from one step of "
+                                  f"{run.optimizer_class}.")
+        stateful.append(chunk.slot.virtual)
+        for key in sorted(specs):
+            tensor = chunk.state[key].detach()
+            if specs[key].kind == ELEMENTWISE:
+                tensor = tensor.reshape(-1)
+            items.append((tensor_key(v.key, key), tensor))
+    name = shard_file_name(rank, world)
+    plan = [TensorPlan(k, t.dtype, tuple(t.shape)) for k, t in items]
+    with StreamingWriter(staging / name, plan, {"format": "pt"}) as writer:
+        for n, (key, tensor) in enumerate(items):
+            writer.write(key, tensor)
+            if n == 0:
+                writer.flush()
+                crash_point("mid_shard")
+        if not items:
+            crash_point("mid_shard")
+        size, digest = writer.close()
+    return {"rank": rank, "file": name, "bytes": size, "sha256": digest, "stateful": stateful}
+
+
+def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], staging: Path,
+            folder: Path) -> None:
+    stateful = {v for r in records for v in r["stateful"]}
+    virtuals = [VirtualRecord(v.key, v.entry, v.expert, v.numel, v.shape, v.group,
+                              i in stateful).to_json() for i, v in enumerate(run.virtuals)]
+    cfg = view.config
+    from .. import __version__
+
+    raw = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "package_version": __version__,
+        "name": cfg.name,
+        "group_size": view.comm.size,
+        "contract": {"entries": run.entries, "chunking": CHUNKING},
+        "virtuals": virtuals,
+        # hyperparameters as the optimizer used them last (defaults filled in, scheduled lr)
+        "optimizer": {"class": run.optimizer_class, "param_groups": [
+            {"hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
+             "state": {k: s.to_json() for k, s in sorted(state.items())}}
+            for group, state in zip(view.optimizer.param_groups, run.group_state)]},
+        "normalization": {"reduction": cfg.reduction, "normalize_over": cfg.normalize_over,
+                          "missing_grad": cfg.missing_grad, "nonfinite": cfg.nonfinite},
+        "config": cfg.to_dict(),
+        "shards": [{k: r[k] for k in ("rank", "file", "bytes", "sha256")}
+                   for r in sorted(records, key=lambda r: r["rank"])],
+    }
+    Manifest.from_json(raw, where="manifest being written")  # the writer checks its own output
+    write_manifest(staging, raw)
+    put_in_place(staging, folder)

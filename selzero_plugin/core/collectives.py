@@ -1,0 +1,182 @@
+"""Bucket collectives: fill, launch and finish reduce-scatters with bounded memory; the
+all-gather after the update; the coalesced broadcast at construction.
+
+[Note: bounded buckets]
+A bucket's full-size FP32 buffer (N rank-major rows, see [Note: layout]) is allocated when its
+first gradient arrives, launched at its launch point, and freed as soon as its reduction is
+finished (its row added into the gradient shard; ``_release``). At most ``max_alive`` (two) buffers exist at
+any moment: before a new one is allocated, the oldest launched reduction is finished first.
+Finishing waits: on NCCL the current stream waits for the collective (the host runs on, and the
+caching allocator reuses the buffer in stream order); on gloo the host blocks. Every rank
+launches a bucket at the same point of its backward (a unit's post-backward, or the
+end-of-backward callback, which runs before the host's own end-of-backward wait), and only waits
+for buckets it launched earlier, so a wait never needs a collective another rank issues later.
+The bound can be exceeded only by a unit that holds more than two buckets: its buckets all wait
+for its post-backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .comm import Communicator, RowWork
+from .layout import Layout
+from .rowcopy import copy_in
+from .storage import ShardStorage
+
+__all__ = ["BucketCollectives"]
+
+_FP32 = torch.float32
+
+
+def _release(buffer: torch.Tensor) -> None:
+    """Free a finished collective's buffer now, on this thread. The process group's work object
+    still references the tensor and may be destroyed later on a worker thread (gloo); resizing
+    the storage to zero returns the memory at once (FSDP2 does the same with its buffers). Safe
+    after ``wait()``: on NCCL the current stream already waits for the collective."""
+    buffer.untyped_storage().resize_(0)
+
+
+class BucketCollectives:
+    def __init__(self, comm: Communicator, layout: Layout, storage: ShardStorage, *,
+                 max_alive: int = 2) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.storage = storage
+        self.max_alive = max_alive
+        self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)  # 1D, N rows
+        self.filled: list[set[int]] = [set() for _ in layout.buckets]
+        self.pending: deque[tuple[int, RowWork, torch.Tensor]] = deque()
+        self.next_launch = 0  # buckets [0, next_launch) were launched in this micro-step
+
+    # ---- reduce-scatter --------------------------------------------------------------------
+
+    def launched(self, bucket: int) -> bool:
+        return bucket < self.next_launch
+
+    def fill(self, t: int, flat: torch.Tensor) -> None:
+        """Add trainable entry t's flat gradient into its bucket's buffer (allocated on need)."""
+        b = self.layout.entry_bucket[t]
+        assert not self.launched(b), "a launched bucket takes no more gradients"
+        buffer = self._buffer(b)
+        ids = self.layout.entry_virtuals[t]
+        first = self.layout.virtuals[ids[0]]
+        copy_in(buffer.view(self.comm.size, -1), flat, row_offset=self.layout.entry_row_offset[t],
+                experts=len(ids), per=first.numel, chunk=first.chunk_numel,
+                accumulate=t in self.filled[b])
+        self.filled[b].add(t)
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        buffer = self.buffers[b]
+        if buffer is None:
+            while self.pending and self.alive() >= self.max_alive:
+                self._finish_oldest()
+            rows = self.layout.buckets[b].row_numel
+            buffer = torch.zeros(self.comm.size * rows, dtype=_FP32, device=self.comm.device)
+            self.buffers[b] = buffer
+        return buffer
+
+    def alive(self) -> int:
+        return sum(b is not None for b in self.buffers) + len(self.pending)
+
+    def launch_next(self, zero_if: torch.Tensor | None = None) -> None:
+        """Reduce-scatter bucket ``next_launch``; zeros where no gradient arrived, and zeros
+        throughout when the 0-dim bool ``zero_if`` is true (an inactive rank under ``sum``)."""
+        b = self.next_launch
+        buffer = self._buffer(b)
+        if zero_if is not None:
+            buffer.masked_fill_(zero_if, 0.0)
+        self.buffers[b] = None
+        self.filled[b] = set()
+        self.pending.append((b, self.comm.reduce_scatter_rows(buffer), buffer))
+        self.next_launch += 1
+
+    def launch_rest(self) -> None:
+        while self.next_launch < len(self.layout.buckets):
+            self.launch_next()
+
+    def _finish_oldest(self) -> None:
+        b, work, buffer = self.pending.popleft()
+        self.storage.accumulate(b, work.wait())
+        _release(buffer)
+
+    def finish_all(self) -> None:
+        while self.pending:
+            self._finish_oldest()
+
+    def end_microstep(self) -> None:
+        """Every bucket was launched and finished: the next micro-step starts at bucket 0."""
+        assert self.next_launch == len(self.layout.buckets) and not self.pending
+        self.next_launch = 0
+
+    def discard(self) -> None:
+        """Forget unlaunched buffers (no collective); launched ones must be finished first."""
+        assert not self.pending
+        self.buffers = [None] * len(self.layout.buckets)
+        self.filled = [set() for _ in self.layout.buckets]
+        self.next_launch = 0
+
+    # ---- all-gather of the updated parameters ------------------------------------------------
+
+    def all_gather_updated(self, update: list[bool]) -> None:
+        """Cast updated chunks to the parameter dtype and rebuild full parameters in place.
+
+        Only buckets holding an updated parameter are gathered (the others are unchanged on
+        every rank). Two buckets are in flight: bucket b+1's all-gather runs while bucket b is
+        copied out, so at most two gathered buffers are alive.
+        """
+        in_flight: list[tuple[int, Any, torch.Tensor]] = []
+        for b, spec in enumerate(self.layout.buckets):
+            if any(update[v] for v in spec.virtuals):
+                in_flight.append(self._launch_gather(b))
+                if len(in_flight) == 2:
+                    self._unpack(*in_flight.pop(0))
+        for item in in_flight:
+            self._unpack(*item)
+
+    def _launch_gather(self, b: int) -> tuple[int, Any, torch.Tensor]:
+        spec = self.layout.buckets[b]
+        dtype = self.storage.trainable[spec.entries[0]].param.dtype
+        gathered = torch.empty(self.comm.size * spec.row_numel, dtype=dtype,
+                               device=self.comm.device)
+        rows = gathered.view(self.comm.size, spec.row_numel)
+        self.storage.pack_row(b, rows[self.comm.rank])
+        return b, self.comm.all_gather_rows_(gathered), gathered
+
+    def _unpack(self, b: int, work: Any, gathered: torch.Tensor) -> None:
+        work.wait()
+        self.storage.unpack_rows(b, gathered.view(self.comm.size, -1))
+        _release(gathered)
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], bucket_bytes: int) -> None:
+        """Broadcast ``tensors`` from group rank 0 in place, coalesced per dtype into flat
+        buffers of about ``bucket_bytes``."""
+        if self.comm.size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            chunk: list[torch.Tensor] = []
+            size = 0
+            for t in group:
+                chunk.append(t)
+                size += t.numel() * t.element_size()
+                if size >= bucket_bytes:
+                    self._broadcast_flat(chunk)
+                    chunk, size = [], 0
+            if chunk:
+                self._broadcast_flat(chunk)
+
+    def _broadcast_flat(self, tensors: list[torch.Tensor]) -> None:
+        flat = _flatten_dense_tensors([t.detach() for t in tensors])
+        self.comm.broadcast(flat, src=0)
+        with torch.no_grad():
+            for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                t.copy_(value)

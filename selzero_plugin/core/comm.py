@@ -1,0 +1,226 @@
+"""selzero's communicators and the collectives it issues, behind one small class so tests can
+record or fake them.
+
+[Note: communicators]
+selzero never communicates on the host's process group. It creates groups of its own with
+``dist.new_group(ranks, use_local_synchronization=True)``: only the member ranks take part, so
+building an instance on an expert group never involves the other ranks. Groups are shared per
+(rank set, timeout) by every instance of the process (``shared_group``): torch names a
+locally-synchronized group after its ranks, so every member must create a given rank set the
+same number of times; creating each set once per process makes that hold even when ranks build
+different numbers of instances (pipeline stages with different numbers of MoE layers). The
+instance's own group is created at construction; a group over the ``normalize_over`` ranks or
+the world (global norm of expert groups) at its first use, at a reduction point every member
+reaches.
+
+[Note: gloo collectives]
+gloo implements ``reduce_scatter_tensor`` as a full-size ``clone()`` of the input plus an
+all-reduce, and ``all_gather_into_tensor`` through a full-size temporary output: both double the
+transient memory of a bucket, and both measured slower here than one all-reduce of the same
+buffer (16 MiB on 2 ranks: 47 ms and 41 ms against 21-23 ms). On gloo selzero therefore reduces
+a bucket with one in-place SUM all-reduce of its own buffer and reads its row, and gathers with
+one in-place bitwise-OR all-reduce of a buffer whose other rows are zero (bytes viewed as uint8,
+so every bit, -0.0 and NaN payloads included, arrives unchanged). Results equal gloo's own
+collectives (which sum the same way). On NCCL the real reduce-scatter and an in-place
+all-gather run (no extra memory either).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+
+__all__ = ["Communicator", "Work", "RowWork", "group_ranks", "shared_group"]
+
+
+class Work(Protocol):
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class RowWork(Protocol):
+    def wait(self) -> torch.Tensor:
+        """Block (gloo) or make the current stream wait (NCCL); return this rank's row."""
+
+    def is_completed(self) -> bool: ...
+
+
+class _Done:
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def wait(self) -> Any:
+        return self.value
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Rows:
+    """A launched reduction whose result is one row of a buffer once ``wait()`` returned."""
+
+    def __init__(self, work: Any, row: torch.Tensor) -> None:
+        self._work, self._row = work, row
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._row
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+# torch 2.13 names these *_single (the *_tensor names warn as deprecated); older torch has only
+# the *_tensor names, with the same signature.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_GROUPS: dict[tuple[int, tuple[int, ...], float], Any] = {}
+
+
+def shared_group(ranks: list[int], timeout_s: float) -> Any:
+    """selzero's process group over ``ranks``: created once per process, then shared."""
+    world = dist.group.WORLD
+    key = (id(world), tuple(sorted(ranks)), float(timeout_s))
+    for stale in [k for k in _GROUPS if k[0] != id(world)]:  # a re-initialized default group
+        del _GROUPS[stale]
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key[1]), timeout=datetime.timedelta(seconds=timeout_s),
+                                      use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+def group_ranks(group: Any) -> list[int]:
+    """Global ranks of ``group`` (None: the default group), sorted."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        ranks: list[int] = []
+    else:
+        ranks = sorted(dist.get_process_group_ranks(group))
+    if dist.get_rank() not in ranks:
+        raise UsageError(f"global rank {dist.get_rank()} is not a member of the process group passed "
+                         f"as group= (its ranks: {ranks}); build SelectedZero2 only on the ranks of "
+                         "that group (each expert group on its own ranks).")
+    return ranks
+
+
+def _emulates_with_all_reduce(group: Any, device: torch.device) -> bool:
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend:
+        return False
+    return device.type == "cpu" or "nccl" not in backend
+
+
+class Communicator:
+    """Collectives over one process group; ``trace`` (a list) records every call when set."""
+
+    def __init__(self, group: Any, rank: int, size: int, global_ranks: list[int],
+                 device: torch.device = torch.device("cpu"), *, emulate: bool = False) -> None:
+        self.group = group
+        self.device = device  # where control tensors live (the selected parameters' device)
+        self.rank = rank
+        self.size = size
+        self.global_ranks = global_ranks
+        self.emulate = emulate  # gloo: see [Note: gloo collectives]
+        self.trace: list[Any] | None = None
+
+    @classmethod
+    def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device
+               ) -> "Communicator":
+        group = shared_group(ranks, timeout_s)
+        return cls(group, dist.get_rank(group), len(ranks), sorted(ranks), device,
+                   emulate=_emulates_with_all_reduce(group, device))
+
+    @classmethod
+    def single(cls, device: torch.device) -> "Communicator":
+        """A group of one process, for use without torch.distributed (every collective is local)."""
+        return cls(None, 0, 1, [0], device)
+
+    def _record(self, op: str, t: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((op, t.numel(), str(t.dtype)))
+
+    # ---- bucket collectives (rank-major buffers of N rows) ----------------------------------
+
+    def reduce_scatter_rows(self, buffer: torch.Tensor) -> RowWork:
+        """Launch the SUM reduction of ``buffer`` (N rank-major rows); ``wait()`` returns row
+        ``rank`` of the result. ``buffer`` must stay untouched until then."""
+        self._record("reduce_scatter", buffer)
+        rows = buffer.view(self.size, -1)
+        if self.size == 1:
+            return _Done(rows[0])
+        if self.emulate:
+            return _Rows(dist.all_reduce(buffer, group=self.group, async_op=True), rows[self.rank])
+        output = torch.empty_like(rows[0])
+        work = _REDUCE_SCATTER(output, buffer, op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=True)
+        return _Rows(work, output)
+
+    def all_gather_rows_(self, gathered: torch.Tensor) -> Work:
+        """Fill every row of ``gathered`` in place from the rank that owns it; the caller has
+        written its own row ``rank``. Launched asynchronously; ``wait()`` before reading."""
+        self._record("all_gather", gathered)
+        rows = gathered.view(self.size, -1)
+        if self.size == 1:
+            return _Done()
+        if self.emulate:
+            rows[:self.rank].zero_()
+            rows[self.rank + 1:].zero_()
+            return dist.all_reduce(gathered.view(torch.uint8), op=dist.ReduceOp.BOR,
+                                   group=self.group, async_op=True)
+        return _ALL_GATHER(gathered, rows[self.rank], group=self.group, async_op=True)
+
+    # ---- small collectives ----------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM,
+                   async_op: bool = False) -> Work:
+        self._record("all_reduce", tensor)
+        if self.size == 1:
+            return _Done()
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Gather ``input`` of every rank into ``output`` (rank-major); small tensors only."""
+        self._record("all_gather", output)
+        if self.size == 1:
+            output.copy_(input)
+            return
+        _ALL_GATHER(output, input, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0) -> None:
+        """Broadcast from group rank ``src``."""
+        self._record("broadcast", tensor)
+        if self.size > 1:
+            dist.broadcast(tensor, group=self.group, group_src=src)
+
+    # ---- byte messages (no pickle): a fixed-size length, then the payload -------------------
+
+    def broadcast_bytes(self, data: bytes | None, *, src: int = 0) -> bytes:
+        length = torch.tensor([len(data) if self.rank == src and data is not None else 0],
+                              dtype=torch.int64, device=self.device)
+        self.broadcast(length, src=src)
+        buf = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == src and data:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buf, src=src)
+        return bytes(buf.cpu().tolist())
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        lengths = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        self.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=self.device))
+        longest = int(lengths.max().item())
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        if data:
+            mine[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        out = torch.zeros(longest * self.size, dtype=torch.uint8, device=self.device)
+        self.all_gather(out, mine)
+        rows = out.view(self.size, longest).cpu()
+        return [bytes(rows[r, :int(lengths[r])].tolist()) for r in range(self.size)]

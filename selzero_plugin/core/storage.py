@@ -1,0 +1,169 @@
+"""This rank's share of the subset: gradient shard, FP32 masters, segment parameters.
+
+[Note: shard storage]
+For each slot (a virtual parameter with a non-empty chunk on this rank, in bucket order; see
+[Note: layout]) the storage holds
+
+- its real chunk of the reduced gradient, packed without padding in ``grad_shard`` (FP32, 1D);
+- a *segment parameter*: the FP32 tensor the optimizer updates. For an fp32 parameter it is a
+  view of the parameter's own storage (the update writes the parameter directly); for a bf16 or
+  fp16 parameter it is a view of ``master_flat``, the FP32 masters (1D).
+
+All of it lives on the selected parameters' device. ``grad_shard`` accumulates the reduced rows
+of successive micro-steps; ``stale`` marks that it still holds a finished window's values, so the
+first reduced row of the next window overwrites instead of adding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layout import Layout, ShardSlot
+from .report import MemoryReport
+from .rowcopy import copy_out
+from .selection import SelectedEntry
+
+__all__ = ["ShardStorage"]
+
+_FP32 = torch.float32
+
+
+class ShardStorage:
+    def __init__(self, layout: Layout, trainable: list[SelectedEntry], rank: int,
+                 device: torch.device) -> None:
+        self.layout = layout
+        self.trainable = trainable
+        self.rank = rank
+        self.slots: tuple[ShardSlot, ...] = layout.shard_slots(rank)
+        self.grad_shard = torch.zeros(sum(s.numel for s in self.slots), dtype=_FP32,
+                                      device=device)  # 1D, real chunks only
+        self.master_offset: list[int | None] = []
+        masters = 0
+        for s in self.slots:
+            if self.entry_of(s).param.dtype != _FP32:
+                self.master_offset.append(masters)
+                masters += s.numel
+            else:
+                self.master_offset.append(None)
+        self.master_flat = torch.zeros(masters, dtype=_FP32, device=device)  # 1D
+        self.segments = [nn.Parameter(self._segment_data(i)) for i in range(len(self.slots))]
+        self.load_masters()
+        self.slots_of_bucket: list[list[int]] = [[] for _ in layout.buckets]
+        for i, s in enumerate(self.slots):
+            self.slots_of_bucket[s.bucket].append(i)
+        self.runs = [_runs([self.slots[i] for i in ids]) for ids in self.slots_of_bucket]
+        self.stale = True
+
+    # ---- slots and segments ----------------------------------------------------------------
+
+    def entry_of(self, slot: ShardSlot) -> SelectedEntry:
+        return self.trainable[self.layout.virtuals[slot.virtual].entry]
+
+    def param_chunk(self, i: int) -> torch.Tensor:
+        """This rank's real chunk of slot i, as a view of the parameter's flat storage."""
+        s = self.slots[i]
+        start = self.layout.virtuals[s.virtual].chunk_start(self.rank)
+        return self.entry_of(s).param.data.view(-1)[start:start + s.numel]
+
+    def _segment_data(self, i: int) -> torch.Tensor:
+        offset = self.master_offset[i]
+        if offset is None:
+            return self.param_chunk(i)
+        return self.master_flat[offset:offset + self.slots[i].numel]
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        s = self.slots[i]
+        return self.grad_shard[s.shard_offset:s.shard_offset + s.numel]
+
+    def load_masters(self) -> None:
+        """Re-read the FP32 masters from the (bf16/fp16) parameters."""
+        with torch.no_grad():
+            for i, seg in enumerate(self.segments):
+                if self.master_offset[i] is not None:
+                    seg.data.copy_(self.param_chunk(i))
+
+    def rebind(self) -> None:
+        """Point fp32 segments at the parameters' storage again (the host may have replaced it)."""
+        for i, seg in enumerate(self.segments):
+            if self.master_offset[i] is None:
+                view = self.param_chunk(i)
+                if view.data_ptr() != seg.data.data_ptr():
+                    seg.data = view
+
+    # ---- reduced rows in, updated rows out -------------------------------------------------
+
+    def accumulate(self, bucket: int, row: torch.Tensor) -> None:
+        """Add this rank's reduced row of ``bucket`` into the gradient shard."""
+        if self.stale:
+            self.grad_shard.zero_()
+            self.stale = False
+        for row_offset, shard_offset, numel in self.runs[bucket]:
+            self.grad_shard[shard_offset:shard_offset + numel].add_(
+                row[row_offset:row_offset + numel])
+
+    def pack_row(self, bucket: int, row: torch.Tensor) -> None:
+        """Write this rank's updated chunks of ``bucket``, cast to the parameter dtype, into
+        ``row`` (its padding is left as is: it is never read back)."""
+        for i in self.slots_of_bucket[bucket]:
+            s = self.slots[i]
+            row[s.row_offset:s.row_offset + s.numel].copy_(self.segments[i].detach())
+
+    def unpack_rows(self, bucket: int, rows: torch.Tensor) -> None:
+        """Rebuild the full parameters of ``bucket`` from its gathered rows (N, row_numel)."""
+        layout = self.layout
+        with torch.no_grad():
+            for t in layout.buckets[bucket].entries:
+                ids = layout.entry_virtuals[t]
+                first = layout.virtuals[ids[0]]
+                copy_out(rows, self.trainable[t].param.data.view(-1),
+                         row_offset=layout.entry_row_offset[t], experts=len(ids),
+                         per=first.numel, chunk=first.chunk_numel)
+
+    # ---- checks and accounting -------------------------------------------------------------
+
+    def nonfinite(self) -> torch.Tensor:
+        """0-dim bool on the device: does the reduced shard hold an inf or NaN? (max |g| is
+        non-finite exactly then, and cannot overflow like a sum of squares)."""
+        if self.grad_shard.numel() == 0:
+            return torch.zeros((), dtype=torch.bool, device=self.grad_shard.device)
+        return ~torch.isfinite(torch.linalg.vector_norm(self.grad_shard, float("inf")))
+
+    def nonfinite_virtuals(self) -> list[int]:
+        """Virtual indices whose reduced chunk holds an inf or NaN (error path: reads)."""
+        return [s.virtual for i, s in enumerate(self.slots)
+                if not bool(torch.isfinite(self.grad_view(i)).all())]
+
+    def memory_report(self, optimizer: torch.optim.Optimizer) -> MemoryReport:
+        """Per-rank bytes of gradient shard, optimizer state and masters, from live storages."""
+        grad = _storage_bytes([self.grad_shard])
+        master = _storage_bytes([self.master_flat])
+        state = _storage_bytes([v for st in optimizer.state.values() for v in st.values()
+                                if isinstance(v, torch.Tensor)])
+        ideal = 0
+        for i, (s, seg) in enumerate(zip(self.slots, self.segments)):
+            ideal += s.numel * 4 * (1 + (self.master_offset[i] is not None))
+            for v in optimizer.state.get(seg, {}).values():
+                if isinstance(v, torch.Tensor):
+                    ideal += (s.numel if v.numel() == seg.numel() else v.numel()) * v.element_size()
+        return MemoryReport(grad, state, master, grad + state + master, ideal)
+
+
+def _runs(slots: list[ShardSlot]) -> list[tuple[int, int, int]]:
+    """Merge a bucket's slots into contiguous (row_offset, shard_offset, numel) runs."""
+    runs: list[list[int]] = []
+    for s in slots:
+        if runs and runs[-1][0] + runs[-1][2] == s.row_offset and \
+                runs[-1][1] + runs[-1][2] == s.shard_offset:
+            runs[-1][2] += s.numel
+        else:
+            runs.append([s.row_offset, s.shard_offset, s.numel])
+    return [(r[0], r[1], r[2]) for r in runs]
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,442 @@
+"""SelectedZero2: ZeRO-2 for a selected parameter subset inside a process group.
+
+The facade over four parts, FSDP2-style (``_fsdp_param.py``, ``_fsdp_param_group.py``,
+``_fsdp_collectives.py``):
+
+- ``storage.ShardStorage``: slots, the gradient shard, FP32 masters, segment parameters;
+- ``collectives.BucketCollectives``: bucket reduce-scatters (bounded in flight), the all-gather;
+- ``window.ReductionWindow``: hooks, launch points, WindowState, presence, agreement, resets;
+- ``optim.SegmentOptimizer``: the unmodified torch optimizer over the segments.
+
+Construction does only local work until every rank agreed (selection, layout, launch units,
+optimizer plan), then checks the contract, broadcasts the selected parameters from group rank 0
+and builds the parts. See DESIGN.md section 1 and the Notes in each part.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import Any, Iterator, Mapping, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import SelZeroConfig
+from ..errors import ConfigError, NonFiniteGradientError, SelectionError, SelZeroError, UsageError
+from .collectives import BucketCollectives
+from .comm import Communicator, group_ranks
+from .contract import Field, agree_on_local_errors, check_contract
+from .layout import EntrySpec, Layout, ShardSlot, plan_layout
+from .optim import (GroupPlan, SegmentOptimizer, check_elementwise, check_hyperparameters,
+                    jsonable, plan_groups, plan_groups_from_host, qualified_name,
+                    resolve_optimizer_class)
+from .report import MemoryReport, StepResult
+from .selection import SelectedEntry, resolve_selection
+from .storage import ShardStorage
+from .units import Units, resolve_units
+from .view import Chunk, ShardView
+from .window import ReductionWindow, WindowState
+
+__all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io"]
+
+
+class CheckpointIO(Protocol):
+    def save(self, view: ShardView, folder: str | os.PathLike[str]) -> None: ...
+
+    def load(self, view: ShardView, folder: str | os.PathLike[str]) -> None: ...
+
+
+_checkpoint_io: CheckpointIO | None = None
+
+
+def register_checkpoint_io(io: CheckpointIO) -> None:
+    """Called by ``selzero_plugin.checkpoint`` when it is imported (the package's ``__init__``
+    imports it), so the engine saves and loads without importing the checkpoint code."""
+    global _checkpoint_io
+    _checkpoint_io = io
+
+
+class SelectedZero2:
+    """ZeRO-2 (sharded FP32 gradients and elementwise optimizer state) for selected parameters.
+
+    Every other parameter stays with its host strategy. See DESIGN.md section 1.
+    """
+
+    def __init__(self, model: nn.Module, config: SelZeroConfig, optimizer: Any = torch.optim.AdamW,
+                 optimizer_kwargs: dict[str, Any] | None = None, *,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if isinstance(config, Mapping):
+            config = SelZeroConfig.from_dict(config)
+        if not isinstance(config, SelZeroConfig):
+            raise ConfigError(f"config: expected a SelZeroConfig or a dict of its fields, got "
+                              f"{type(config).__name__}; e.g. SelZeroConfig(params=['*.experts.*']).")
+        self.config = config
+        self.model = model
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed and group is not None:
+            raise UsageError("SelectedZero2(group=...) needs torch.distributed to be initialized; "
+                             "call dist.init_process_group(...) first.")
+        ranks = group_ranks(group) if distributed else [0]
+        error: SelZeroError | None = None
+        try:
+            self._build_local(ranks, optimizer, optimizer_kwargs or {})
+        except SelZeroError as e:
+            error = e
+        device = self.entries[0].param.device if getattr(self, "entries", None) else \
+            _default_device()
+        # Only the group's ranks take part from here on (use_local_synchronization).
+        self.comm = Communicator.create(ranks, timeout_s=config.timeout_s, device=device) \
+            if distributed else Communicator.single(device)
+        agree_on_local_errors(self.comm, error, what="SelectedZero2 construction")
+        check_contract(self.comm, self._contract_fields(), what="SelectedZero2 contract")
+        self._build_parts(optimizer_kwargs or {})
+        for e in self.entries:
+            e.param._selzero_owner = weakref.ref(self)
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _build_local(self, ranks: list[int], optimizer: Any, kwargs: dict[str, Any]) -> None:
+        """Selection, layout, units, optimizer plan: local work that may fail on one rank only."""
+        config = self.config
+        entries = resolve_selection(self.model, params=list(config.params),
+                                    modules=list(config.modules), expert_dim=config.expert_dim)
+        for e in entries:
+            owner = getattr(e.param, "_selzero_owner", None)
+            if owner is not None and owner() is not None and owner().window.installed:
+                raise UsageError(
+                    f"parameter {e.name!r} already belongs to another SelectedZero2 (name "
+                    f"{owner().config.name!r}), whose hooks would take its gradients. Call "
+                    "old.remove_hooks() before building a new instance on the same parameters.")
+        trainable = [e for e in entries if not e.frozen]
+        for e in trainable:
+            if e.param.numel() == 0 or not e.param.is_contiguous():
+                raise SelectionError(f"parameter {e.name!r} (shape {tuple(e.param.shape)}) must be a "
+                                     "non-empty contiguous tensor; call .contiguous() on it or leave "
+                                     "it out of `params`.")
+        self.normalize_ranks = _normalize_ranks(config.normalize_over, ranks)
+        self.layout: Layout = plan_layout(
+            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1) for e in trainable],
+            len(ranks), int(config.bucket_mb * 2 ** 20))
+        self.units: Units = resolve_units(self.model, trainable, list(config.launch_modules))
+        self.host_optimizer, self._opt_cls, self._defaults, self._plans = \
+            self._resolve_optimizer(trainable, optimizer, kwargs)
+        self.entries, self.trainable = entries, trainable
+        self._dtypes = {e.name: e.param.dtype for e in entries}
+
+    def _resolve_optimizer(self, trainable: list[SelectedEntry], optimizer: Any,
+                           kwargs: dict[str, Any]
+                           ) -> tuple[torch.optim.Optimizer | None, type, dict[str, Any],
+                                      list[GroupPlan]]:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if kwargs or self.config.param_groups:
+                raise UsageError("optimizer is an instance: its groups give the hyperparameters, so "
+                                 "optimizer_kwargs and config.param_groups must be empty.")
+            cls = type(optimizer)
+            check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
+            return optimizer, cls, dict(optimizer.defaults), plan_groups_from_host(
+                trainable, optimizer)
+        cls = resolve_optimizer_class(optimizer)
+        check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
+        check_hyperparameters(cls, list(kwargs), where="optimizer_kwargs")
+        for i, group in enumerate(self.config.param_groups):
+            check_hyperparameters(cls, [k for k in group if k != "params"],
+                                  where=f"config.param_groups[{i}]")
+        return None, cls, dict(kwargs), plan_groups(trainable, dict(kwargs),
+                                                    list(self.config.param_groups))
+
+    def _contract_fields(self) -> list[Field]:
+        fields: list[Field] = [(f"config.{k}", v) for k, v in self.config.to_dict().items()]
+        fields.append(("group.size", self.comm.size))
+        fields.append(("selected.count", len(self.entries)))
+        for i, e in enumerate(self.entries):
+            fields.append((f"selected[{i}]", {
+                "name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
+                "dtype": str(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts}))
+        fields.append(("launch_units", {"names": list(self.units.names),
+                                        "of_entry": list(self.units.of_entry)}))
+        fields.append(("optimizer.class", qualified_name(self._opt_cls)))
+        for g, plan in enumerate(self._plans):
+            fields.append((f"optimizer.groups[{g}]", {
+                "hyperparameters": jsonable(plan.hyper), "members": plan.members}))
+        return fields
+
+    def _build_parts(self, kwargs: dict[str, Any]) -> None:
+        config, comm = self.config, self.comm
+        self.storage = ShardStorage(self.layout, self.trainable, comm.rank, comm.device)
+        self.collectives = BucketCollectives(comm, self.layout, self.storage)
+        if config.broadcast:
+            self.collectives.broadcast([e.param.data for e in self.entries],
+                                       int(config.bucket_mb * 2 ** 20))
+            self.storage.load_masters()
+        entry_of_slot = [self.layout.virtuals[s.virtual].entry for s in self.storage.slots]
+        self.segment_optimizer = SegmentOptimizer(self._opt_cls, self._defaults, self._plans,
+                                                  self.storage.segments, entry_of_slot,
+                                                  self.host_optimizer)
+        self._normalize_comm: Communicator | None = None
+        self._world_comm: Communicator | None = None
+        over_group = self.normalize_ranks == comm.global_ranks
+        self.window = ReductionWindow(
+            config=config, comm=comm, layout=self.layout, storage=self.storage,
+            collectives=self.collectives, trainable=self.trainable, units=self.units,
+            model=self.model, normalize_size=len(self.normalize_ranks),
+            normalize_weight=None if over_group else self._sum_over_normalize_ranks)
+        self.window.install()
+
+    # ---- communicators beyond the group (created at first use) --------------------------------
+
+    def _sum_over_normalize_ranks(self, weight: torch.Tensor) -> torch.Tensor:
+        if self._normalize_comm is None:
+            self._normalize_comm = Communicator.create(self.normalize_ranks,
+                                                       timeout_s=self.config.timeout_s,
+                                                       device=self.comm.device)
+        total = weight.reshape(1).clone()
+        self._normalize_comm.all_reduce(total)
+        return total[0]
+
+    @property
+    def spans_world(self) -> bool:
+        """Whether the group is every rank (else it holds parameters no other group holds)."""
+        return not (dist.is_available() and dist.is_initialized()) or \
+            self.comm.size == dist.get_world_size()
+
+    def world_communicator(self) -> Communicator:
+        """A communicator over every rank (the global norm of expert groups), made at first use."""
+        if self.spans_world:
+            return self.comm
+        if self._world_comm is None:
+            self._world_comm = Communicator.create(list(range(dist.get_world_size())),
+                                                   timeout_s=self.config.timeout_s,
+                                                   device=self.comm.device)
+        return self._world_comm
+
+    # ---- public attributes -----------------------------------------------------------------
+
+    @property
+    def state(self) -> WindowState:
+        return self.window.state
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer over this rank's segments."""
+        return self.segment_optimizer.optimizer
+
+    @property
+    def segments(self) -> list[nn.Parameter]:
+        return self.storage.segments
+
+    @property
+    def slots(self) -> tuple[ShardSlot, ...]:
+        return self.storage.slots
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        return self.storage.grad_shard
+
+    @property
+    def master_flat(self) -> torch.Tensor:
+        return self.storage.master_flat
+
+    @property
+    def selected_names(self) -> list[str]:
+        """Canonical names of the selected parameters (frozen included, aliases not)."""
+        return [e.name for e in self.entries]
+
+    @property
+    def trainable_names(self) -> list[str]:
+        return [e.name for e in self.trainable]
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.size
+
+    @property
+    def state_parameter_count(self) -> int:
+        """Segments (selected virtual parameters) with a non-empty chunk on this rank."""
+        return len(self.storage.segments)
+
+    def virtual_name(self, i: int) -> str:
+        """``name`` or ``name[expert e]`` of virtual parameter i (as messages spell it)."""
+        return self.window.virtual_name(i)
+
+    # ---- the phases of a step ----------------------------------------------------------------
+
+    def no_sync(self) -> Iterator[None]:
+        """Local micro-steps: accumulate full-size FP32 gradients, communicate nothing."""
+        return self.window.no_sync()
+
+    def end_microstep(self, active: bool | None = None) -> None:
+        """Close a reduced micro-step on every rank (between backward passes of one step)."""
+        self.window.end_microstep(active)
+
+    def reduce_gradients(self, weight: Any = None, active: bool | None = None) -> None:
+        """Finish the window: reduce, agree on presence / weight / non-finite, normalize."""
+        self.window.reduce(weight, active)
+
+    def _require_reduced(self, what: str) -> None:
+        if self.window.state is not WindowState.REDUCED:
+            raise UsageError(f"[rank {self.rank}/{self.world_size}] {what} needs reduced gradients: "
+                             "call sz.reduce_gradients(...) first.")
+
+    def local_grad_norm_squared(self) -> torch.Tensor:
+        """Squared norm of this rank's reduced shard only (no communication)."""
+        self._require_reduced("local_grad_norm_squared()")
+        if self.window.decision.global_weight > 0:
+            return self.storage.grad_shard.pow(2).sum()
+        return torch.zeros((), dtype=torch.float32, device=self.comm.device)
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Squared norm of the reduced, normalized subset gradient (each element once per group)."""
+        self._require_reduced("grad_norm_squared()")  # name the method the user called
+        total = self.local_grad_norm_squared().reshape(1).clone()
+        self.comm.all_reduce(total)
+        return total[0]
+
+    def scale_gradients_(self, coef: float | torch.Tensor) -> None:
+        """Multiply the reduced gradient shards by ``coef`` (clipping).
+
+        A non-finite ``coef`` (a global norm that is inf/NaN because some *host* gradient is)
+        is handled like a non-finite gradient of the subset: ``nonfinite="skip"`` skips the
+        update, ``"error"`` raises. Every rank sees the same global norm, so they agree.
+        """
+        self._require_reduced("scale_gradients_()")
+        if not math.isfinite(float(coef)):
+            if self.config.nonfinite == "error":
+                self.window.fail(NonFiniteGradientError(
+                    f"[rank {self.rank}/{self.world_size}] scale_gradients_ got coef={float(coef)} "
+                    "(the global gradient norm is not finite, so some host gradient holds inf/NaN). "
+                    "Nothing was updated. Set nonfinite='skip' to skip such steps."))
+            self.window.skip_update()
+            return
+        self.storage.grad_shard.mul_(coef)
+
+    def step(self, lr: float | None = None, weight: Any = None,
+             active: bool | None = None) -> StepResult:
+        """Reduce (unless done), update this rank's segments, all-gather the subset."""
+        if self.window.state is not WindowState.REDUCED:
+            self.window.reduce(weight, active)
+        elif weight is not None or active is not None:
+            raise UsageError(f"[rank {self.rank}/{self.world_size}] step(weight=/active=) after "
+                             "reduce_gradients(): the arguments belong to reduce_gradients().")
+        decision = self.window.decision
+        for i, (slot, seg) in enumerate(zip(self.storage.slots, self.storage.segments)):
+            seg.grad = self.storage.grad_view(i) if decision.update[slot.virtual] else None
+        self.segment_optimizer.prepare(lr)
+        if decision.updated:
+            self.segment_optimizer.optimizer.step()
+            self.collectives.all_gather_updated(decision.update)
+        result = StepResult(decision.global_weight, decision.updated, decision.skipped_absent,
+                            decision.skipped_nonfinite)
+        self.window.finish_step()
+        return result
+
+    def zero_grad(self) -> None:
+        """Drop the current window on every rank (all ranks call it): its gradients, presence
+        and reduced shard. After a backward that raised, this is what the next forward or
+        reduction point also does by itself."""
+        self.window.zero_grad()
+
+    # ---- host interplay -------------------------------------------------------------------
+
+    def sync_from_params(self) -> None:
+        """Re-read masters (and re-bind fp32 segment views) after the host loaded new weights."""
+        self._check_dtypes()
+        self.storage.rebind()
+        self.storage.load_masters()
+
+    def _check_dtypes(self) -> None:
+        for e in self.entries:
+            if e.param.dtype != self._dtypes[e.name]:
+                raise UsageError(f"parameter {e.name!r} changed dtype to {e.param.dtype} after "
+                                 "SelectedZero2 was built; build it after casting the model.")
+
+    # ---- checkpoints (selzero_plugin.checkpoint, through ShardView) --------------------------
+
+    def checkpoint_view(self) -> ShardView:
+        """The engine as the checkpoint code sees it (see core/view.py)."""
+        window = self.window
+        return ShardView(
+            comm=self.comm, config=self.config, entries=self.entries, trainable=self.trainable,
+            virtuals=self.layout.virtuals, group_of_entry=dict(self.segment_optimizer.group_of_entry),
+            group_hyperparameters=[dict(p.hyper) for p in self._plans],
+            optimizer_class=self._opt_cls, optimizer=self.optimizer,
+            idle=window.state is WindowState.IDLE, window_state=window.state.value, _chunks=self._chunks, _install=self._install)
+
+    def _chunks(self) -> list[Chunk]:
+        return [Chunk(slot, seg, self.optimizer.state.get(seg) or {})
+                for slot, seg in zip(self.storage.slots, self.storage.segments)]
+
+    def _install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+                 ) -> None:
+        self._check_dtypes()
+        self.storage.rebind()
+        with torch.no_grad():
+            for seg, value in zip(self.storage.segments, values):
+                seg.detach().copy_(value)
+        optimizer = self.optimizer
+        index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups
+                                                for p in g["params"])}
+        segments = self.storage.segments
+        by_index = {index[id(segments[i])]: state for i, state in states.items()}
+        # This run's hyperparameters stay (runtime settings); only the state is replaced.
+        optimizer.load_state_dict({"state": by_index,
+                                   "param_groups": optimizer.state_dict()["param_groups"]})
+        self.collectives.all_gather_updated([True] * len(self.layout.virtuals))
+        self.window.zero_grad()
+
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
+        """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
+        staged beside ``folder`` and put in place by one rank once complete."""
+        _io().save(self.checkpoint_view(), folder)
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
+        """Every rank calls it: restores optimizer state and the subset's parameter values; all
+        ranks load, or all raise the same CheckpointError and keep their state."""
+        _io().load(self.checkpoint_view(), folder)
+
+    def memory_report(self) -> MemoryReport:
+        """Per-rank bytes of gradient shard, optimizer state and masters, from live storages."""
+        return self.storage.memory_report(self.optimizer)
+
+    def remove_hooks(self) -> None:
+        """Detach selzero from the model (its parameters' gradients flow normally again)."""
+        self.window.remove()
+        for e in self.entries:
+            owner = getattr(e.param, "_selzero_owner", None)
+            if owner is not None and owner() is self:
+                del e.param._selzero_owner
+
+
+def _io() -> CheckpointIO:
+    if _checkpoint_io is None:
+        raise UsageError("selzero's checkpoint code is not loaded; import selzero_plugin (the "
+                         "package) rather than its core module alone.")
+    return _checkpoint_io
+
+
+def _normalize_ranks(normalize_over: Any, group: list[int]) -> list[int]:
+    """The global ranks the loss is averaged over; they must include the whole group."""
+    if normalize_over == "group":
+        return list(group)
+    if normalize_over == "world":
+        return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+    ranks = list(normalize_over)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not set(group) <= set(ranks) or max(ranks) >= world:
+        raise ConfigError(f"normalize_over={ranks}: expected global ranks of this world (size "
+                          f"{world}) that include every rank of selzero's group {group}; pass the "
+                          "data-parallel ranks the loss is averaged over (a list or process group).")
+    return ranks
+
+
+def _default_device() -> torch.device:
+    """Where control tensors live when nothing is selected: the current GPU under NCCL."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

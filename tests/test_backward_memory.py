@@ -1,0 +1,114 @@
+"""ZeRO-2 memory during backward, measured at allocation level (DESIGN.md "Micro-steps and
+reduction points"): with buckets launched at their units' post-backward, at most two buckets'
+full-size FP32 buffers are alive at any moment of a reduced backward, and none at its end.
+
+The measurement is the allocator's (``selzero_plugin.memtrace``): every allocation and free on
+the training thread during ``loss.backward()``, whoever made it (selzero, autograd, DDP, a
+collective's own copy). The model has 4 blocks (units) of 4 experts; the bucket size is one
+block's padded FP32 experts, so the subset spans 4 buckets. Routing differs by rank and leaves
+some experts without tokens. A mutation that keeps a copy of every bucket must fail the bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from selzero_plugin import SelectedZero2, SelZeroConfig, wrap_ddp
+from selzero_plugin.memtrace import track_allocations
+
+from ._blocks import BlockMoE, block_loss
+from .dist_utils import all_values, run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+LAYERS, EXPERTS, D, H = 4, 4, 32, 96
+
+
+def _padded_fp32_bytes(params: Any, world: int) -> int:
+    return sum(-(-p.numel() // world) * world * 4 for p in params)
+
+
+def _keep_every_bucket(sz: SelectedZero2) -> list[torch.Tensor]:
+    """The mutation: a full FP32 copy of every bucket, kept until the end of the step."""
+    kept: list[torch.Tensor] = []
+    launch = sz.comm.reduce_scatter_rows
+
+    def keeping(buffer: torch.Tensor) -> Any:
+        kept.append(buffer.clone())
+        return launch(buffer)
+
+    sz.comm.reduce_scatter_rows = keeping
+    return kept
+
+
+def backward_memory_run(rank: int, world: int, mutation: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = BlockMoE(layers=LAYERS, num_experts=EXPERTS, d=D, h=H)
+    bucket = _padded_fp32_bytes(model.blocks[0].experts.parameters(), world)
+    sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"],
+                                            bucket_mb=bucket / 2 ** 20),
+                       torch.optim.SGD, {"lr": 0.1})
+    selected = {id(e.param) for e in sz.entries}
+    host = torch.optim.SGD([p for p in model.parameters() if id(p) not in selected], lr=0.1)
+    ddp = wrap_ddp(model, sz)
+    kept = _keep_every_bucket(sz) if mutation else []
+    figures = []
+    for step in range(3):
+        loss = block_loss(ddp, step, rank, layers=LAYERS, d=D, tokens=8, num_experts=EXPERTS)
+        with track_allocations() as trace:
+            loss.backward()
+        figures.append({"peak": trace.peak, "net": trace.net})
+        host.step()
+        sz.step()
+        host.zero_grad(set_to_none=True)
+        kept.clear()
+    subset = _padded_fp32_bytes([e.param for e in sz.trainable], world)
+    return {"bucket": bucket, "subset": subset, "buckets": len(sz.layout.buckets),
+            "figures": figures}
+
+
+def _host_grad_bytes() -> int:
+    """FP32 gradients of the dense layers DDP keeps (input, routers, output): allocated in
+    backward and alive after it, whatever selzero does."""
+    model = BlockMoE(layers=LAYERS, num_experts=EXPERTS, d=D, h=H)
+    return sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def measured(request):
+    return request.param, all_values(run_ranks(backward_memory_run, request.param, timeout=120))
+
+
+def test_the_subset_spans_four_buckets(measured):
+    _, runs = measured
+    for run in runs:
+        assert run["buckets"] == LAYERS
+        assert run["subset"] >= 3.9 * run["bucket"]
+
+
+def test_at_most_two_bucket_buffers_are_alive_during_backward(measured):
+    """Two buckets, plus slack for autograd's own temporaries (one expert's gradient before its
+    hook frees it, activation gradients, DDP's host gradients): well under a third bucket."""
+    _, runs = measured
+    for rank, run in enumerate(runs):
+        bound = 2 * run["bucket"] + _host_grad_bytes() + run["bucket"] // 3
+        for step, f in enumerate(run["figures"]):
+            assert f["peak"] <= bound, (rank, step, f, run["bucket"])
+
+
+def test_no_full_size_gradient_is_held_at_the_end_of_backward(measured):
+    _, runs = measured
+    for rank, run in enumerate(runs):
+        for step, f in enumerate(run["figures"]):
+            assert f["net"] <= _host_grad_bytes() + run["bucket"] // 10, (rank, step, f)
+
+
+def test_the_measurement_sees_a_copy_of_every_bucket():
+    """The bound above can fail: keeping a full FP32 copy of each bucket breaks it."""
+    runs = all_values(run_ranks(backward_memory_run, 2, True, timeout=120))
+    for run in runs:
+        bound = 2 * run["bucket"] + _host_grad_bytes() + run["bucket"] // 3
+        assert all(f["peak"] > bound for f in run["figures"]), run
