@@ -16,7 +16,7 @@ from torch import nn
 
 from .models import Expert
 
-__all__ = ["Block", "BlockMoE", "block_routes", "block_batch", "block_loss", "reference_blocks",
+__all__ = ["Block", "BlockMoE", "SkippingMoE", "block_routes", "block_batch", "block_loss", "reference_blocks",
            "EXPERTS"]
 
 EXPERTS = 3
@@ -54,6 +54,19 @@ class BlockMoE(nn.Module):
         h = torch.tanh(self.inp(x))
         for block, r in zip(self.blocks, routes):
             h = block(h, r)
+        return self.out(h)
+
+
+class SkippingMoE(BlockMoE):
+    """A model whose second block (a launch unit) is skipped on some steps (layer drop)."""
+
+    skip = False
+
+    def forward(self, x: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for i, (block, r) in enumerate(zip(self.blocks, routes)):
+            if not (self.skip and i == 1):
+                h = block(h, r)
         return self.out(h)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 __all__ = ["model_state", "optimizer_state", "snapshot", "differences", "capture", "value_of",
+           "cached_outcomes",
            "strip_rank_prefix", "moved"]
 
 
@@ -83,3 +84,22 @@ def value_of(outcomes: list[Any], key: str) -> list[Any]:
 def strip_rank_prefix(message: str) -> str:
     """Drop the leading ``[rank r/N] `` so messages of different ranks can be compared."""
     return message.split("] ", 1)[1] if message.startswith("[rank ") else message
+
+
+def cached_outcomes(fn: Callable[..., Any], world: int, *, timeout: float) -> Callable[[], Any]:
+    """One spawn of ``fn`` on ``world`` ranks for every test of a module that asks: its result,
+    or its failure (a hang's TimeoutError), is kept and given to each test, never re-run."""
+    from .dist_utils import run_ranks
+
+    result: list[Any] = []
+
+    def get() -> Any:
+        if not result:
+            try:
+                result.append(run_ranks(fn, world, timeout=timeout))
+            except Exception as e:  # noqa: BLE001 - every test of the module reports it
+                result.append(e)
+        if isinstance(result[0], Exception):
+            raise result[0]
+        return result[0]
+    return get

@@ -72,8 +72,9 @@ def _reduction_point(buckets: list, world: int, out: dict[str, Any]) -> list[tup
     expected = [("reduce_scatter", world * rows, F32) for rows, _names in buckets]
     # one control vector, whatever the phase: per rank its call signature and three flags
     # (second backward, dropped windows, opened); active, weight, non-finite; a late-gradient
-    # flag per entry, a fired count per launch unit, presence per virtual parameter
-    size = 4 * world + 3 + out["entries"] + out["units"] + out["virtuals"]
+    # flag per entry; per launch unit a fired count and group rank 0's order of passing;
+    # presence per virtual parameter
+    size = 4 * world + 3 + out["entries"] + 2 * out["units"] + out["virtuals"]
     expected.append(("all_reduce", size, I64))
     return expected
 

@@ -9,7 +9,6 @@ the model is selected, so no host needs repairing; the reference skips the faile
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from selzero_plugin import SelectedZero2, SelZeroConfig
 
 from ._blocks import Block, BlockMoE, block_loss, reference_blocks
-from .dist_utils import all_values, run_ranks
+from ._state import cached_outcomes, capture, value_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -55,19 +54,25 @@ def _build() -> BlockMoE:
     return BlockMoE(layers=LAYERS, block=FailingBlock)
 
 
-def failing_run(rank: int, world: int, recovery: str, reduction: str, overlap: bool
-                ) -> dict[str, Any]:
+def failing_run(rank: int, world: int, recovery: str, reduction: str, overlap: bool,
+                where: str = "blocks", bucket_mb: float = 1e-4) -> dict[str, Any]:
+    """``where="blocks"``: rank 0 fails in block 2, rank 1 in block 1 (both after selzero's
+    first launches); ``"loss"``: rank 1 fails in the loss's own backward, before the backward
+    reaches the model (selzero never hears of it on that rank)."""
     model = _build()
-    sz = SelectedZero2(model, SelZeroConfig(params=["*"], bucket_mb=1e-4, reduction=reduction,
-                                            overlap=overlap), OPT[0], OPT[1])
+    sz = SelectedZero2(model, SelZeroConfig(params=["*"], bucket_mb=bucket_mb,
+                                            reduction=reduction, overlap=overlap),
+                       OPT[0], OPT[1])
     kwargs = {"weight": 6} if reduction == "weighted" else {}
     results = []
     for step in range(STEPS):
         failing = step == FAILED
-        model.blocks[2 - rank].armed = failing  # rank 0 fails in block 2, rank 1 in block 1
+        in_loss = where == "loss" and rank == 1
+        model.blocks[2 - rank].armed = failing and not in_loss
         loss = block_loss(model, step, rank, layers=LAYERS)
         if reduction == "weighted":  # loss-sum over 6 tokens, divided by the 12 of both ranks
             loss = loss * 6
+        loss = _FailInBackward.apply(loss, failing and in_loss)
         try:
             loss.backward()
         except SimulatedOOM:
@@ -85,12 +90,40 @@ def failing_run(rank: int, world: int, recovery: str, reduction: str, overlap: b
             "updated": results}
 
 
-@pytest.mark.parametrize("recovery", ["next_batch", "zero_grad", "step"])
-@pytest.mark.parametrize("reduction,overlap", [("mean", True), ("weighted", True),
-                                               ("mean", False)],
-                         ids=["mean", "weighted", "mean_no_overlap"])
+RECOVERIES = ["next_batch", "zero_grad", "step"]
+MODES = [("mean", True), ("weighted", True), ("mean", False)]
+CASES = [(recovery, *mode) for recovery in RECOVERIES for mode in MODES]
+
+
+MIXED = [("zero_grad", "mean", True, "loss", 1e-4), ("zero_grad", "mean", True, "loss", 25.0),
+         ("next_batch", "mean", False, "loss", 1e-4)]
+
+
+def _all_cases(rank: int, world: int) -> dict[Any, Any]:
+    cases = {case: capture(lambda: failing_run(rank, world, *case)) for case in CASES}
+    cases.update({case: capture(lambda: failing_run(rank, world, *case)) for case in MIXED})
+    return cases
+
+
+_outcomes = cached_outcomes(_all_cases, 2, timeout=180)
+
+
+@pytest.mark.parametrize("case", MIXED, ids=lambda c: f"{c[0]}-{'overlap' if c[2] else 'no_overlap'}"
+                         f"-bucket{c[4]}")
+def test_ranks_that_failed_before_reaching_selzero_recover_too(case):
+    """One rank fails in its loss's backward, before selzero hears of it, the other after
+    launching buckets: ``sz.zero_grad()`` on every rank reconciles them (and without launches
+    during backward, nothing needs reconciling)."""
+    _check(value_of(_outcomes(), case), case[0])
+
+
+@pytest.mark.parametrize("recovery", RECOVERIES)
+@pytest.mark.parametrize("reduction,overlap", MODES, ids=["mean", "weighted", "mean_no_overlap"])
 def test_a_failed_backward_is_dropped_and_training_goes_on(recovery, reduction, overlap):
-    runs = all_values(run_ranks(failing_run, 2, recovery, reduction, overlap, timeout=90))
+    _check(value_of(_outcomes(), (recovery, reduction, overlap)), recovery)
+
+
+def _check(runs: list[Any], recovery: str) -> None:
     steps = [s for s in range(STEPS) if s != FAILED]
     ref = reference_blocks(2, steps, _build, OPT, layers=LAYERS)
     for run in runs:

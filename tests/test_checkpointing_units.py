@@ -10,6 +10,7 @@ on any rank, whatever each rank routed, and training equals plain torch.optim.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from selzero_plugin import SelectedZero2, SelZeroConfig
 
 from ._blocks import Block, BlockMoE, block_loss, reference_blocks
-from .dist_utils import all_values, run_ranks
+from ._state import cached_outcomes, capture, value_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -60,12 +61,23 @@ def checkpointed_run(rank: int, world: int, kind: str, pattern: str,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+CASES = [(kind, pattern, bucket_mb) for kind in BLOCKS for pattern in ("uneven", "skewed")
+         for bucket_mb in (1e-4, 25.0)]
+
+
+def _all_cases(rank: int, world: int) -> dict[Any, Any]:
+    return {case: capture(lambda: checkpointed_run(rank, world, *case)) for case in CASES}
+
+
+_outcomes = cached_outcomes(_all_cases, 2, timeout=180)
+
+
 @pytest.mark.parametrize("bucket_mb", [1e-4, 25.0], ids=["bucket_per_tensor", "one_bucket"])
 @pytest.mark.parametrize("pattern", ["uneven", "skewed"])
 @pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
 def test_a_parameter_used_inside_and_outside_a_checkpoint_trains_like_torch(kind, pattern,
                                                                             bucket_mb):
-    states = all_values(run_ranks(checkpointed_run, 2, kind, pattern, bucket_mb, timeout=90))
+    states = value_of(_outcomes(), (kind, pattern, bucket_mb))
     ref = reference_blocks(2, list(range(STEPS)), partial(_build, kind), OPT, layers=LAYERS,
                            patterns=lambda s, r: pattern)
     for state in states:

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from selzero_plugin import SelectedZero2, SelZeroConfig, wrap_ddp
 
 from ._blocks import BlockMoE, block_loss
-from .dist_utils import all_values, run_ranks
+from ._state import cached_outcomes, capture, value_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -55,10 +55,20 @@ def timeline_run(rank: int, world: int, overlap: bool, bucket_mb: float,
     return timeline
 
 
+CASES = [(overlap, bucket_mb) for overlap in (True, False) for bucket_mb in (1e-4, 25.0)]
+
+
+def _all_cases(rank: int, world: int) -> dict[Any, Any]:
+    return {case: capture(lambda: timeline_run(rank, world, *case, "skewed")) for case in CASES}
+
+
+_outcomes = cached_outcomes(_all_cases, 2, timeout=120)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("bucket_mb", [1e-4, 25.0], ids=["bucket_per_tensor", "one_bucket"])
 def test_selzero_and_host_collectives_interleave_the_same_way_on_every_rank(overlap, bucket_mb):
-    timelines = all_values(run_ranks(timeline_run, 2, overlap, bucket_mb, "skewed", timeout=90))
+    timelines = value_of(_outcomes(), (overlap, bucket_mb))
     assert timelines[0] == timelines[1]
     launched_in_backward = [
         op for t in [timelines[0]] for op in t[t.index(("backward",)):t.index(("backward returned",))]
@@ -69,7 +79,7 @@ def test_selzero_and_host_collectives_interleave_the_same_way_on_every_rank(over
 
 def test_the_instrument_records_every_ddp_bucket_and_reduce_scatter():
     """The timeline sees both schedules: several DDP buckets and reduce-scatters per step."""
-    timelines = all_values(run_ranks(timeline_run, 2, True, 1e-4, "skewed", timeout=90))
+    timelines = value_of(_outcomes(), (True, 1e-4))
     for t in timelines:
         assert sum(op[0] == "ddp" for op in t) > 3 * 3
         assert sum(op[0] == "reduce_scatter" for op in t) > 3 * 3

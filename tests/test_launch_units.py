@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from torch import nn
 
@@ -14,8 +13,8 @@ from selzero_plugin import SelectedZero2, SelZeroConfig
 from selzero_plugin.core.selection import resolve_selection
 from selzero_plugin.core.units import ROOT_NAME, resolve_units
 
-from ._blocks import BlockMoE, block_loss
-from .dist_utils import all_errors, all_values, run_ranks
+from ._blocks import BlockMoE, SkippingMoE, block_loss
+from .dist_utils import all_values, run_ranks
 from .models import ToyMoE
 
 
@@ -76,19 +75,6 @@ def test_buckets_whose_unit_cannot_fire_are_logged_once_and_still_reduced(caplog
             assert sz.step().updated > 0
     lines = [r.getMessage() for r in caplog.records if r.name == "selzero_plugin"]
     assert len(lines) == 1 and "launch at the end of backward" in lines[0] and ROOT_NAME in lines[0]
-
-
-class SkippingMoE(BlockMoE):
-    """A model whose second block (a launch unit) is skipped on some steps (layer drop)."""
-
-    skip = False
-
-    def forward(self, x: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        for i, (block, r) in enumerate(zip(self.blocks, routes)):
-            if not (self.skip and i == 1):
-                h = block(h, r)
-        return self.out(h)
 
 
 def _unit_skipped_on_one_rank(rank: int, world: int) -> list[int]:

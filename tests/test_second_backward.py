@@ -13,7 +13,8 @@ import torch
 from selzero_plugin import SelectedZero2, SelZeroConfig, UsageError
 
 from ._blocks import BlockMoE, block_loss
-from .dist_utils import all_errors, all_values, run_ranks
+from ._state import cached_outcomes, capture, value_of
+from .dist_utils import all_errors, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -41,10 +42,22 @@ def two_backwards_run(rank: int, world: int, reduction: str, overlap: bool) -> d
     return {"message": message, "updated_after": result.updated}
 
 
+CASES = [(reduction, overlap) for reduction in KWARGS for overlap in (True, False)]
+
+
+def _all_cases(rank: int, world: int) -> dict[Any, Any]:
+    out = {case: capture(lambda: two_backwards_run(rank, world, *case)) for case in CASES}
+    out["no_sync"] = capture(lambda: _second_backward_inside_no_sync_is_fine(rank, world))
+    return out
+
+
+_outcomes = cached_outcomes(_all_cases, 2, timeout=120)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("reduction", ["mean", "weighted", "sum"])
 def test_every_rank_raises_the_same_error_for_a_second_backward(reduction, overlap):
-    runs = all_values(run_ranks(two_backwards_run, 2, reduction, overlap, timeout=60))
+    runs = value_of(_outcomes(), (reduction, overlap))
     messages = [r["message"] for r in runs]
     assert all(m is not None for m in messages), messages
     assert "second backward" in messages[0] and "end_microstep" in messages[0]
@@ -65,8 +78,7 @@ def _second_backward_inside_no_sync_is_fine(rank: int, world: int) -> int:
 
 
 def test_local_micro_steps_may_run_several_backwards():
-    assert all(n > 0 for n in all_values(run_ranks(_second_backward_inside_no_sync_is_fine, 2,
-                                                   timeout=60)))
+    assert all(n > 0 for n in value_of(_outcomes(), "no_sync"))
 
 
 def _backward_after_reduce(rank: int, world: int) -> None:

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from selzero_plugin import ConfigError, SelectedZero2, SelZeroConfig
+from selzero_plugin import ConfigError, SelectedZero2, SelZeroConfig, clip_grad_norm_
 
+from ._state import cached_outcomes, capture, value_of
 from .dist_utils import all_errors, all_values, run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -45,11 +46,22 @@ def stages_run(rank: int, world: int, normalize_over: str, reduction: str) -> di
             "bias": {n: model[n].bias.detach().clone() for n in names}}
 
 
+CASES = [(over, reduction) for over in ("world", "list", "group") for reduction in ("mean",
+                                                                                   "weighted")]
+
+
+def _all_cases(rank: int, world: int) -> dict[Any, Any]:
+    return {case: capture(lambda: stages_run(rank, world, *case)) for case in CASES}
+
+
+_outcomes = cached_outcomes(_all_cases, 4, timeout=150)
+
+
 @pytest.mark.parametrize("normalize_over", ["world", "list", "group"])
 @pytest.mark.parametrize("reduction", ["mean", "weighted"])
 def test_groups_with_different_numbers_of_instances_normalize_over_the_world(normalize_over,
                                                                               reduction):
-    runs = all_values(run_ranks(stages_run, 4, normalize_over, reduction, timeout=90))
+    runs = value_of(_outcomes(), (normalize_over, reduction))
     expected = 4 if reduction == "mean" else 1 + 2 + 3 + 4
     instances = [1, 1, 2, 2] if reduction == "mean" else [2, 2, 2, 2]
     assert [r["global_weight"] for r in runs] == [[expected] * n for n in instances]
@@ -97,3 +109,45 @@ def test_normalize_over_a_list_round_trips_through_to_dict():
     cfg = SelZeroConfig(params=["*"], normalize_over=[3, 1, 2])
     assert cfg.normalize_over == [1, 2, 3]
     assert SelZeroConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# ---- an agreed error in one expert group reaches the others -----------------------------------
+
+def _group_error_run(rank: int, world: int, failure: str) -> list[Any]:
+    """Each rank is its own expert group, normalizing over the world. At step 0 rank 0's group
+    fails: a second backward (weighted: its reduction point), a NaN gradient (weighted:
+    nonfinite='error' at its reduction point), or a NaN gradient inside clip_grad_norm_ (mean).
+    Every rank must raise, none wait; after it, training goes on with the right counts."""
+    groups = [dist.new_group([r]) for r in range(world)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    reduction = "mean" if failure == "nan_in_clip" else "weighted"
+    sz = SelectedZero2(model, SelZeroConfig(params=["1.*"], reduction=reduction,
+                                            normalize_over="world", timeout_s=30),
+                       torch.optim.SGD, {"lr": 0.1}, group=groups[rank])
+    log: list[Any] = []
+    for step in range(3):
+        x = torch.randn(3, 4)
+        out = model(x)
+        if failure.startswith("nan") and step == 0 and rank == 0:
+            out = out * float("nan")
+        out.sum().backward()
+        if failure == "second_backward" and step == 0 and rank == 0:
+            model(x).sum().backward()
+        try:
+            if reduction == "weighted":
+                sz.reduce_gradients(weight=10 * (step + 1) + rank)
+            clip_grad_norm_(list(model[0].parameters()), 1.0, subsets=[sz])
+            log.append(sz.step().global_weight)
+        except ValueError as e:
+            log.append(type(e).__name__)
+        model.zero_grad()
+    return log
+
+
+@pytest.mark.parametrize("failure", ["second_backward", "nan_in_reduce", "nan_in_clip"])
+def test_an_agreed_error_of_one_expert_group_is_raised_by_every_group(failure):
+    runs = all_values(run_ranks(_group_error_run, 2, failure, timeout=90))
+    assert all(isinstance(r[0], str) for r in runs), runs
+    expected = [2, 2] if failure == "nan_in_clip" else [41, 61]
+    assert [r[1:] for r in runs] == [expected] * 2, runs

@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-from ..errors import UsageError
+from ..errors import SelZeroError, UsageError
 from .window import WindowState
 from .zero2 import SelectedZero2
 
@@ -34,17 +34,34 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     if grads:
         norms = torch._foreach_norm(grads, 2.0)
         total = total + torch.stack([n.float() for n in norms]).pow(2).sum()
-    world_sq = None
+    groups = [sz for sz in subsets if not sz.spans_world]  # each holds its own experts
+    error: SelZeroError | None = None
+    world_sq = torch.zeros(2, dtype=torch.float32, device=groups[0].comm.device) \
+        if groups else None
     for sz in subsets:
-        if sz.state is not WindowState.REDUCED:
-            sz.reduce_gradients()
-        if not sz.spans_world:  # a proper subgroup: its experts are its own
-            part = sz.local_grad_norm_squared().reshape(1)
-            world_sq = part.clone() if world_sq is None else world_sq + part
-        else:
+        if sz.spans_world:
+            if sz.state is not WindowState.REDUCED:
+                sz.reduce_gradients()
             total = total + sz.grad_norm_squared().to(device)
+            continue
+        try:  # an agreed error of one expert group must reach the others, not leave them waiting
+            if error is None and sz.state is not WindowState.REDUCED:
+                sz.reduce_gradients()
+            if error is None:
+                world_sq[0] += sz.local_grad_norm_squared().to(world_sq.device)
+        except SelZeroError as e:
+            error = e
     if world_sq is not None:
-        next(s for s in subsets if not s.spans_world).world_communicator().all_reduce(world_sq)
+        world_sq[1] = float(error is not None)
+        groups[0].world_communicator().all_reduce(world_sq)
+        if error is not None:
+            raise error
+        if float(world_sq[1]) > 0:
+            for sz in groups:
+                sz.zero_grad()
+            raise UsageError(f"clip_grad_norm_: reducing the gradients failed on "
+                             f"{int(world_sq[1])} other expert group(s) (their ranks raised the "
+                             "reason); this rank's windows were dropped too.")
         total = total + world_sq[0].to(device)
     return total.sqrt(), grads, subsets
 

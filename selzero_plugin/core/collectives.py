@@ -11,12 +11,19 @@ caching allocator reuses the buffer in stream order); on gloo the host blocks. E
 launches a bucket at the same point of its backward (a unit's post-backward, or the
 end-of-backward callback, which runs before the host's own end-of-backward wait), and only waits
 for buckets it launched earlier, so a wait never needs a collective another rank issues later.
+One exception is an error case: a unit that ran on some ranks only (reported at the reduction
+point) makes them launch its buckets at the end of backward instead; with several instances,
+a gloo rank blocked on one instance's bucket could then wait for a peer blocked on another's.
+So inside backward a gloo rank waits at most ``PATIENCE_S`` for a reduction; if it is still
+running, that backward stops bounding its buffers instead of blocking longer.
 The bound can be exceeded only by a unit that holds more than two buckets: its buckets all wait
 for its post-backward.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -28,9 +35,11 @@ from .layout import Layout
 from .rowcopy import copy_in
 from .storage import ShardStorage
 
-__all__ = ["BucketCollectives"]
+__all__ = ["BucketCollectives", "PATIENCE_S"]
 
 _FP32 = torch.float32
+PATIENCE_S = 2.0
+logger = logging.getLogger("selzero_plugin")
 
 
 def _release(buffer: torch.Tensor) -> None:
@@ -51,12 +60,33 @@ class BucketCollectives:
         self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)  # 1D, N rows
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.pending: deque[tuple[int, RowWork, torch.Tensor]] = deque()
-        self.next_launch = 0  # buckets [0, next_launch) were launched in this micro-step
+        # launch order: bucket order (reverse model order) until the window adopts the order in
+        # which the launch units pass; buckets order[:next_launch] were launched this micro-step
+        self.order = list(range(len(layout.buckets)))
+        self.position = list(range(len(layout.buckets)))
+        self.next_launch = 0
+        # a gloo host blocks in wait(): inside backward it waits with patience (see the Note)
+        self.patience_s = PATIENCE_S if comm.emulate else None
+        self.unbounded = False  # this micro-step gave up bounding its buffers
 
     # ---- reduce-scatter --------------------------------------------------------------------
 
     def launched(self, bucket: int) -> bool:
-        return bucket < self.next_launch
+        return self.position[bucket] < self.next_launch
+
+    def all_launched(self) -> bool:
+        return self.next_launch == len(self.order)
+
+    def next_bucket(self) -> int:
+        return self.order[self.next_launch]
+
+    def set_order(self, order: list[int]) -> None:
+        """Launch buckets in ``order`` from the next micro-step on (the same on every rank)."""
+        assert sorted(order) == list(range(len(self.order))) and self.next_launch == 0
+        self.order = list(order)
+        self.position = [0] * len(order)
+        for i, b in enumerate(order):
+            self.position[b] = i
 
     def fill(self, t: int, flat: torch.Tensor) -> None:
         """Add trainable entry t's flat gradient into its bucket's buffer (allocated on need)."""
@@ -73,8 +103,13 @@ class BucketCollectives:
     def _buffer(self, b: int) -> torch.Tensor:
         buffer = self.buffers[b]
         if buffer is None:
-            while self.pending and self.alive() >= self.max_alive:
-                self._finish_oldest()
+            while self.pending and self.alive() >= self.max_alive and not self.unbounded:
+                if not self._finish_oldest(patience_s=self.patience_s):
+                    self.unbounded = True
+                    logger.warning("selzero: a reduce-scatter did not finish within %.0f s (a "
+                                   "peer launches it later: a launch unit that did not run "
+                                   "there?); this backward no longer bounds its buffers.",
+                                   self.patience_s)
             rows = self.layout.buckets[b].row_numel
             buffer = torch.zeros(self.comm.size * rows, dtype=_FP32, device=self.comm.device)
             self.buffers[b] = buffer
@@ -84,9 +119,9 @@ class BucketCollectives:
         return sum(b is not None for b in self.buffers) + len(self.pending)
 
     def launch_next(self, zero_if: torch.Tensor | None = None) -> None:
-        """Reduce-scatter bucket ``next_launch``; zeros where no gradient arrived, and zeros
+        """Reduce-scatter the next bucket; zeros where no gradient arrived, and zeros
         throughout when the 0-dim bool ``zero_if`` is true (an inactive rank under ``sum``)."""
-        b = self.next_launch
+        b = self.next_bucket()
         buffer = self._buffer(b)
         if zero_if is not None:
             buffer.masked_fill_(zero_if, 0.0)
@@ -96,13 +131,23 @@ class BucketCollectives:
         self.next_launch += 1
 
     def launch_rest(self) -> None:
-        while self.next_launch < len(self.layout.buckets):
+        while not self.all_launched():
             self.launch_next()
 
-    def _finish_oldest(self) -> None:
-        b, work, buffer = self.pending.popleft()
+    def _finish_oldest(self, patience_s: float | None = None) -> bool:
+        """Finish the oldest launched reduction; with ``patience_s``, only if it completes
+        within that time (False: still running, left pending)."""
+        b, work, buffer = self.pending[0]
+        if patience_s is not None:
+            deadline = time.monotonic() + patience_s
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.0002)
+        self.pending.popleft()
         self.storage.accumulate(b, work.wait())
         _release(buffer)
+        return True
 
     def finish_all(self) -> None:
         while self.pending:
@@ -110,8 +155,9 @@ class BucketCollectives:
 
     def end_microstep(self) -> None:
         """Every bucket was launched and finished: the next micro-step starts at bucket 0."""
-        assert self.next_launch == len(self.layout.buckets) and not self.pending
+        assert self.all_launched() and not self.pending
         self.next_launch = 0
+        self.unbounded = False
 
     def discard(self) -> None:
         """Forget unlaunched buffers (no collective); launched ones must be finished first."""
@@ -119,6 +165,7 @@ class BucketCollectives:
         self.buffers = [None] * len(self.layout.buckets)
         self.filled = [set() for _ in self.layout.buckets]
         self.next_launch = 0
+        self.unbounded = False
 
     # ---- all-gather of the updated parameters ------------------------------------------------
 

@@ -4,14 +4,23 @@ record or fake them.
 [Note: communicators]
 selzero never communicates on the host's process group. It creates groups of its own with
 ``dist.new_group(ranks, use_local_synchronization=True)``: only the member ranks take part, so
-building an instance on an expert group never involves the other ranks. Groups are shared per
-(rank set, timeout) by every instance of the process (``shared_group``): torch names a
-locally-synchronized group after its ranks, so every member must create a given rank set the
-same number of times; creating each set once per process makes that hold even when ranks build
-different numbers of instances (pipeline stages with different numbers of MoE layers). The
-instance's own group is created at construction; a group over the ``normalize_over`` ranks or
-the world (global norm of expert groups) at its first use, at a reduction point every member
-reaches.
+building an instance on an expert group never involves the other ranks. torch 2.13 names such
+a group by hashing its ranks *and the number of process groups the process already has*
+(``_hash_ranks_to_str``), so members that created different numbers of groups before (pipeline
+stages with different numbers of instances) would rendezvous under different names and wait
+forever. selzero therefore names its groups itself (``_selzero_group``): after the purpose,
+the ranks and how many groups of that purpose and rank set this process created before, which
+is the same on every member as long as they create the same groups in the same order:
+
+- an instance's own group (its bucket collectives and agreements) is created at construction
+  by the group's ranks, which build the same instances (the contract checks it). It is the
+  instance's alone: two instances on one group whose launches came in different orders on
+  different ranks could otherwise pair one's reduce-scatter with the other's;
+- groups beyond the instance's group (the ``normalize_over`` ranks, the world for the global
+  norm of expert groups) are shared per (rank set, timeout) by every instance of the process
+  (``shared_group``) and created at first use, at a reduction point every member reaches, so
+  ranks that hold different numbers of instances (pipeline stages with different numbers of
+  MoE layers) still create each set the same number of times.
 
 [Note: gloo collectives]
 gloo implements ``reduce_scatter_tensor`` as a full-size ``clone()`` of the input plus an
@@ -28,10 +37,13 @@ all-gather run (no extra memory either).
 from __future__ import annotations
 
 import datetime
+import hashlib
+import threading
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ..errors import UsageError
 
@@ -82,6 +94,31 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _GROUPS: dict[tuple[int, tuple[int, ...], float], Any] = {}
+_CREATED: dict[tuple[int, str, tuple[int, ...]], int] = {}
+_NAMING = threading.Lock()
+
+
+def _selzero_group(ranks: list[int], timeout_s: float, purpose: str) -> Any:
+    """A locally synchronized group over ``ranks``, named by purpose, ranks and the count of
+    such groups this process made before ([Note: communicators])."""
+    world = id(dist.group.WORLD)
+    for stale in [k for k in _CREATED if k[0] != world]:  # a re-initialized default group
+        del _CREATED[stale]
+    key = (world, purpose, tuple(sorted(ranks)))
+    index = _CREATED.get(key, 0)
+    _CREATED[key] = index + 1
+    text = f"selzero:{purpose}:{'_'.join(map(str, key[2]))}:{index}"
+    name = "selzero-" + hashlib.sha1(text.encode()).hexdigest()[:24]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    naming = getattr(c10d, "_process_group_name", None)
+    if naming is None:  # another torch: its own naming
+        return dist.new_group(list(key[2]), timeout=timeout, use_local_synchronization=True)
+    with _NAMING:
+        c10d._process_group_name = lambda *args, **kwargs: name
+        try:
+            return dist.new_group(list(key[2]), timeout=timeout, use_local_synchronization=True)
+        finally:
+            c10d._process_group_name = naming
 
 
 def shared_group(ranks: list[int], timeout_s: float) -> Any:
@@ -91,8 +128,7 @@ def shared_group(ranks: list[int], timeout_s: float) -> Any:
     for stale in [k for k in _GROUPS if k[0] != id(world)]:  # a re-initialized default group
         del _GROUPS[stale]
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key[1]), timeout=datetime.timedelta(seconds=timeout_s),
-                                      use_local_synchronization=True)
+        _GROUPS[key] = _selzero_group(list(key[1]), timeout_s, f"shared-{timeout_s}")
     return _GROUPS[key]
 
 
@@ -132,9 +168,12 @@ class Communicator:
         self.trace: list[Any] | None = None
 
     @classmethod
-    def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device
-               ) -> "Communicator":
-        group = shared_group(ranks, timeout_s)
+    def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device,
+               shared: bool = False, purpose: str = "instance") -> "Communicator":
+        """A communicator of its own over ``ranks`` (an instance's bucket collectives), or with
+        ``shared`` the process-wide one for that rank set ([Note: communicators])."""
+        group = shared_group(ranks, timeout_s) if shared else \
+            _selzero_group(ranks, timeout_s, purpose)
         return cls(group, dist.get_rank(group), len(ranks), sorted(ranks), device,
                    emulate=_emulates_with_all_reduce(group, device))
 

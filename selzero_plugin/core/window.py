@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -98,18 +99,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _UnitPassed(torch.autograd.Function):
-    """Identity over a unit's forward inputs; its backward runs once their gradients are done."""
+class _Identity(torch.autograd.Function):
+    """Gives leaf inputs of a launch unit a node of ordinary priority to hook."""
 
     @staticmethod
-    def forward(ctx: Any, window: "ReductionWindow", unit: int, *inputs: torch.Tensor) -> Any:
-        ctx.window, ctx.unit = window, unit
+    def forward(ctx: Any, *inputs: torch.Tensor) -> Any:
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.window._on_unit_passed(ctx.unit)
-        return (None, None, *grads)
+        return grads
 
 
 class _Control:
@@ -128,6 +127,7 @@ class _Control:
         self.nonfinite = self._take(1)
         self.late = self._take(entries)
         self.passed = self._take(units)
+        self.order = self._take(units)  # group rank 0's order of unit post-backwards
         self.presence = self._take(virtuals)
 
     def _take(self, n: int) -> slice:
@@ -143,7 +143,8 @@ class ReductionWindow:
                  storage: ShardStorage, collectives: BucketCollectives,
                  trainable: list[SelectedEntry], units: Units, model: nn.Module,
                  normalize_size: int,
-                 normalize_weight: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+                 normalize_weight: Callable[[torch.Tensor, bool], tuple[int, bool]] | None,
+                 control_comm: Callable[[], Communicator]) -> None:
         self.config = config
         self.comm = comm
         self.layout = layout
@@ -153,21 +154,29 @@ class ReductionWindow:
         self.units = units
         self.model = model
         self.normalize_size = normalize_size  # size of the normalize_over rank set
-        self.normalize_weight = normalize_weight  # sums a weight over it, when not the group
+        # sums a weight over the normalize_over ranks (when not the group), with a failure flag
+        self.normalize_weight = normalize_weight
+        self.control_comm = control_comm  # a second communicator of the group (zero_grad)
         self.launches_in_backward = config.overlap and config.reduction != "sum"
         self.bucket_units = [sorted({units.of_entry[t] for t in spec.entries})
                              for spec in layout.buckets]
         device = comm.device
         v = len(layout.virtuals)
         self.control = _Control(comm.size, len(trainable), len(units.names), v)
+        # presence of this micro-step: whole parameters on the host (no kernel per gradient),
+        # the rows of split fused experts on the device (whether a row is zero is a device fact)
+        self.present: set[int] = set()
         self.micro_presence = torch.zeros(v, dtype=_I64, device=device)
         self.window_presence = torch.zeros(v, dtype=_I64, device=device)
         self.window_active = torch.zeros((), dtype=_I64, device=device)
         self.local: dict[int, torch.Tensor] = {}  # no_sync accumulation, full size FP32 (1D)
-        self.sync = True
+        self.sync = True  # False inside no_sync()
+        self.order_adopted = False
         self.logged_first_backward = False
-        self.dropped = 0  # windows dropped because their backward raised (since last agreement)
+        self.dropped = 0  # windows dropped (since the last agreement), see _drop_if_interrupted
         self.decision: Decision | None = None
+        self.forward_counts = [0] * len(units.names)  # unit forwards in the running model forward
+        self._probes: list[Any] = []
         self._hooks: list[Any] = []
         self._reset()
 
@@ -201,6 +210,15 @@ class ReductionWindow:
         return hook
 
     def _unit_pre_forward(self, u: int) -> Callable[..., Any]:
+        """Registers the unit's post-backward: a hook on its inputs that runs once their
+        gradients are all computed. The hook runs with the node that produced an input, which
+        comes after every node of the unit (and so after the unit's parameters' gradients,
+        accumulated first); the graph is not changed, so in-place ops on the inputs stay legal.
+        A leaf input's node is a gradient accumulator, which runs as early as the unit's own, so
+        leaves first pass through an identity (a leaf that requires grad takes no in-place op)."""
+        def passed(_grads: Any) -> None:
+            self._on_unit_passed(u)
+
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return None
@@ -211,66 +229,117 @@ class ReductionWindow:
                 return None
             # A forward during backward is an activation-checkpoint recompute: it may fire (a
             # reentrant checkpoint's inner backward) or never (a non-reentrant one), so it is
-            # not waited for.
+            # not waited for; see _on_pre_backward for the forwards that are.
             if not _in_backward():
-                self.unit_expected[u] += 1
-            outs = _UnitPassed.apply(self, u, *[flat[i] for i in idx])
-            for i, x in zip(idx, outs):
-                flat[i] = x
-            return tree_unflatten(flat, spec)
+                self.forward_counts[u] += 1
+            leaves = [i for i in idx if flat[i].is_leaf]
+            if leaves:
+                for i, x in zip(leaves, _Identity.apply(*[flat[i] for i in leaves])):
+                    flat[i] = x
+            inputs = list({id(flat[i]): flat[i] for i in idx}.values())
+            torch.autograd.graph.register_multi_grad_hook(inputs, passed, mode="all")
+            return tree_unflatten(flat, spec) if leaves else None
         return hook
 
     def _on_model_forward_start(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
-            self._drop_if_backward_died()
+            self._drop_if_interrupted()
+            self.forward_counts = [0] * len(self.units.names)
 
     def _on_model_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _in_backward():
             return
         tensors = [t for t in tree_flatten(output)[0]
                    if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_pre_backward,
-                                                          mode="any")
+        if not tensors:
+            return
+        # What the backward through *these* outputs will meet: the unit forwards of this model
+        # forward (a forward that is never backwarded counts for nothing), and the no_sync()
+        # mode at forward time (as DDP decides it).
+        counts, sync = list(self.forward_counts), self.sync
 
-    def _on_pre_backward(self, grad: torch.Tensor) -> None:
-        self._enter_backward()
+        def pre_backward(_grad: torch.Tensor) -> None:
+            self._on_pre_backward(counts, sync)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+
+    def _on_pre_backward(self, counts: list[int], sync: bool) -> None:
+        self._enter_backward(sync)
+        self.unit_expected = [a + b for a, b in zip(self.unit_expected, counts)]
 
     # ---- backward --------------------------------------------------------------------------
 
-    def _enter_backward(self) -> bool:
-        """A backward reached selzero (model outputs, a hook, a unit). False: a second backward
-        into an unclosed reduced micro-step, whose gradients are not taken."""
-        if self.state is WindowState.REDUCED:
-            raise UsageError(
-                f"[rank {self.comm.rank}/{self.comm.size}] a backward reached selzero's "
-                "parameters after reduce_gradients() and before step(); call sz.step() first.")
-        if not self.sync:
-            if self.state is not WindowState.IDLE:
-                raise UsageError(
-                    f"[rank {self.comm.rank}/{self.comm.size}] a no_sync() backward followed a "
-                    "reduced backward whose micro-step was not closed; call sz.end_microstep() "
-                    "first, or run the earlier micro-steps inside no_sync() too.")
-            self._queue_callback()
-            self.local_open = True
-            return True
-        if self.state is WindowState.AWAITING_CLOSE:
-            self._queue_callback()
-            self.second_backward = True
-            return False
-        self._queue_callback()
-        if self.state is WindowState.IDLE:
-            self.state = WindowState.OPEN
-            self.opened = True
-        return True
+    def _enter_backward(self, sync: bool | None = None) -> bool:
+        """A backward reached selzero (model outputs, a hook, a unit); whether its gradients
+        are taken. The first event of a backward queues the end-of-backward callback on it.
 
-    def _queue_callback(self) -> None:
+        A pass that accumulates no parameter gradient (``autograd.grad(..., inputs)``: an input
+        gradient penalty) is not a micro-step; but neither does the outer pass of a backward
+        whose parameters all sit in reentrant checkpoints, whose inner passes do. So such a
+        pass stays *tentative*: it opens a micro-step only when an event comes from a nested
+        (inner) pass."""
+        task = torch._C._current_graph_task_id()
         if not self.callback_queued:
             self.callback_queued = True
+            self.backward_task = task
+            self.backward_sync = self.sync if sync is None else sync
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if not self._accumulates():
+                self.tentative = True
+                return False
+            return self._open()
+        if self.tentative:
+            if task == self.backward_task:
+                return False
+            self.tentative = False
+            return self._open()
+        return self.taking
+
+    def _open(self) -> bool:
+        me = f"[rank {self.comm.rank}/{self.comm.size}]"
+        if self.state is WindowState.REDUCED:
+            self.raised = True  # the next forward or reduction point drops the window
+            raise UsageError(f"{me} a backward reached selzero's parameters after "
+                             "reduce_gradients() and before step(); call sz.step() first, "
+                             "or sz.zero_grad() to drop the reduced window.")
+        if not self.backward_sync:
+            if self.state is not WindowState.IDLE:
+                self.raised = True
+                raise UsageError(f"{me} a no_sync() backward followed a reduced backward whose "
+                                 "micro-step was not closed; call sz.end_microstep() first, or "
+                                 "run the earlier micro-steps inside no_sync() too.")
+            self.local_open = True
+            self.taking = True
+        elif self.state is WindowState.IDLE:
+            self.state = WindowState.OPEN
+            self.opened = True
+            self.taking = True
+        else:  # AWAITING_CLOSE: a second backward into a reduced micro-step not closed
+            self.second_backward = True
+            self.taking = False
+        return self.taking
+
+    def _accumulates(self) -> bool:
+        """Does the running backward accumulate parameter gradients? (``autograd.grad`` and
+        ``backward(inputs=...)`` of non-parameters do not; their passes are not micro-steps.)"""
+        for refresh in (False, True):
+            if refresh or not self._probes:
+                self._probes = [torch.autograd.graph.get_gradient_edge(p).node
+                                for p in self.model.parameters() if p.requires_grad]
+            try:
+                if any(torch._C._will_engine_execute_node(n) for n in self._probes):
+                    return True
+            except RuntimeError:  # "a leaf node was passed ... running autograd.grad()"
+                return False
+        return False
+
+    @property
+    def syncing(self) -> bool:
+        return self.backward_sync if self.backward_sync is not None else self.sync
 
     def _on_grad(self, t: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
+            self.raised = True
             raise UsageError(f"parameter {self.trainable[t].name!r} got a sparse gradient; selzero "
                              "reduces dense gradients. Use a dense embedding (sparse=False) or leave "
                              "this parameter out of `params`.")
@@ -278,7 +347,7 @@ class ReductionWindow:
             return
         self._record_presence(t, grad)
         flat = grad.detach().reshape(-1)
-        if not self.sync:
+        if not self.syncing:
             if t in self.local:
                 self.local[t].add_(flat)
             else:
@@ -295,7 +364,7 @@ class ReductionWindow:
     def _record_presence(self, t: int, grad: torch.Tensor) -> None:
         ids = self.layout.entry_virtuals[t]
         if len(ids) == 1:
-            self.micro_presence[ids[0]] = 1
+            self.present.add(ids[0])
         else:
             rows = grad.detach().reshape(len(ids), -1).ne(0).any(dim=1)
             self.micro_presence[ids[0]:ids[-1] + 1] |= rows.to(_I64)
@@ -304,20 +373,21 @@ class ReductionWindow:
         if not self._enter_backward():
             return
         self.unit_fired[u] += 1
-        if not self.sync or self.unit_passed[u] or self.unit_fired[u] < self.unit_expected[u]:
+        if not self.syncing or self.unit_passed[u] or self.unit_fired[u] < self.unit_expected[u]:
             return
         self.unit_passed[u] = True
+        self.pass_order.append(u)
         if self.launches_in_backward:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         c = self.collectives
-        while c.next_launch < len(self.layout.buckets) and \
-                all(self.unit_passed[u] for u in self.bucket_units[c.next_launch]):
+        while not c.all_launched() and \
+                all(self.unit_passed[u] for u in self.bucket_units[c.next_bucket()]):
             self._launch_one(None)
 
     def _launch_one(self, zero_if: torch.Tensor | None) -> None:
-        b = self.collectives.next_launch
+        b = self.collectives.next_bucket()
         for t in self.layout.buckets[b].entries:
             local = self.local.pop(t, None)
             if local is not None:
@@ -327,12 +397,15 @@ class ReductionWindow:
     def _backward_done(self) -> None:
         """End of the graph task the first hook of this backward ran in."""
         self.callback_queued = False
+        self.backward_sync = None
+        self.tentative = False
+        self.taking = False
         self.local_open = False
         if self.state is WindowState.OPEN:
             self.state = WindowState.AWAITING_CLOSE
             if self.launches_in_backward:
                 first = self.collectives.next_launch
-                while self.collectives.next_launch < len(self.layout.buckets):
+                while not self.collectives.all_launched():
                     self._launch_one(None)
                 self.collectives.finish_all()
                 self._log_first_backward(first)
@@ -343,7 +416,8 @@ class ReductionWindow:
         if self.logged_first_backward:
             return
         self.logged_first_backward = True
-        late = [b for b in range(first, len(self.layout.buckets))
+        order = self.collectives.order
+        late = [b for b in order[first:]
                 if not all(self.unit_passed[u] for u in self.bucket_units[b])]
         units = sorted({self.units.names[u] for b in late for u in self.bucket_units[b]
                         if not self.unit_passed[u]})
@@ -367,26 +441,48 @@ class ReductionWindow:
 
     # ---- a backward that raised; resets ----------------------------------------------------
 
-    def _drop_if_backward_died(self) -> bool:
-        """Outside backward: drop the window if the backward that opened a micro-step raised."""
+    def _drop_if_interrupted(self) -> bool:
+        """Outside backward: drop the window if the backward that opened a micro-step raised
+        (its callback never ran), or selzero raised a usage error inside a backward."""
         self.callback_queued = False  # no callback can be pending outside a backward
-        if self.state is not WindowState.OPEN and not self.local_open:
+        self.backward_sync = None
+        self.tentative = False
+        if self.state is not WindowState.OPEN and not self.local_open and not self.raised:
             return False
+        if self._holds_anything():
+            self.dropped += 1
         if self.state is WindowState.OPEN and self.launches_in_backward:
             self.collectives.launch_rest()  # the other ranks launch the rest of this micro-step
-            self.collectives.finish_all()
-        self.dropped += 1
+        self.collectives.finish_all()
         self._reset()
         return True
 
+    def _holds_anything(self) -> bool:
+        """Whether dropping the window changes anything another rank could notice: launched
+        collectives, reduced values, local gradients (a window whose only micro-step died
+        before launching anything is the same as one that never started)."""
+        return self.collectives.next_launch > 0 or not self.storage.stale or bool(self.local)
+
     def zero_grad(self) -> None:
-        """Forget the window (every rank calls it): gradients, presence, reduced shard."""
+        """Forget the window on every rank (all call it). The ranks first agree, on a second
+        communicator, how many buckets of the current micro-step any of them launched, and
+        each launches the rest up to that count: the collective schedule stays whole even when
+        ranks' backwards failed at different points, some before reaching selzero at all."""
         if _in_backward():
             raise UsageError(f"[rank {self.comm.rank}/{self.comm.size}] sz.zero_grad() was called "
                              "inside backward; call it between steps.")
-        if not self._drop_if_backward_died():
-            self.collectives.finish_all()
-            self._reset()
+        self.callback_queued = False
+        self.backward_sync = None
+        self.tentative = False
+        launched = torch.tensor([self.collectives.next_launch], dtype=_I64,
+                                device=self.comm.device)
+        self.control_comm().all_reduce(launched, op=torch.distributed.ReduceOp.MAX)
+        target = int(launched.item())
+        while self.collectives.next_launch < target:
+            self.collectives.launch_next()
+        self.collectives.finish_all()
+        self.dropped = 0
+        self._reset()
 
     def _reset(self) -> None:
         """Forget the window: after step(), a raised agreement, zero_grad() or a died backward."""
@@ -395,13 +491,19 @@ class ReductionWindow:
         self.storage.stale = True
         for seg in self.storage.segments:
             seg.grad = None
+        self.present.clear()
         self.micro_presence.zero_()
         self.window_presence.zero_()
         self.window_active.zero_()
         self.local.clear()
         self.state = WindowState.IDLE
         self.local_open = False
+        self.raised = False
         self.callback_queued = False
+        self.backward_sync: bool | None = None
+        self.backward_task = -2
+        self.tentative = False
+        self.taking = False
         self._reset_microstep()
         self.decision = None
 
@@ -410,6 +512,7 @@ class ReductionWindow:
         self.second_backward = False
         self.late: set[int] = set()
         self.unfirable: set[int] = set()
+        self.pass_order: list[int] = []
         self.unit_expected = [0] * len(self.units.names)
         self.unit_fired = [0] * len(self.units.names)
         self.unit_passed = [False] * len(self.units.names)
@@ -417,19 +520,31 @@ class ReductionWindow:
     # ---- reduction points ------------------------------------------------------------------
 
     def end_microstep(self, active: Any) -> None:
-        self._close(_PHASE_END_MICROSTEP, None, active)
+        values, _ = self._close(_PHASE_END_MICROSTEP, None, active)
+        self._raise_agreed(self._disagreement(values))
 
     def reduce(self, weight: Any, active: Any) -> Decision:
         values, local_weight = self._close(_PHASE_REDUCE, weight, active)
+        error = self._disagreement(values)
         c = self.control
         mode = self.config.reduction
-        if mode == "mean":
-            global_weight = self.normalize_size
+        if mode == "weighted" and self.normalize_weight is not None:
+            # a collective beyond the group: reached even when the group fails, so that the
+            # other groups of the normalize_over ranks learn it instead of waiting
+            fails = error is not None or self._decide_would_raise(values)
+            global_weight, others_failed = self.normalize_weight(local_weight, fails)
+            if error is None and others_failed and global_weight > 0:
+                error = UsageError(
+                    f"[rank {self.comm.rank}/{self.comm.size}] reduce_gradients() failed on "
+                    "another group of the normalize_over ranks (its ranks raised the reason); "
+                    "this group's window was dropped too.")
         elif mode == "weighted":
-            global_weight = values[c.weight.start] if self.normalize_weight is None else \
-                int(self.normalize_weight(local_weight).item())
+            global_weight = values[c.weight.start]
+        elif mode == "mean":
+            global_weight = self.normalize_size
         else:
             global_weight = values[c.active.start]
+        self._raise_agreed(error)
         expected = values[c.active.start] if mode == "sum" else self.comm.size
         decision = self._decide(global_weight, values[c.presence], values[c.nonfinite.start],
                                 expected)
@@ -440,7 +555,7 @@ class ReductionWindow:
         return decision
 
     def _close(self, phase: int, weight: Any, active: Any) -> tuple[list[int], torch.Tensor]:
-        """Flush the micro-step, all-reduce the control vector, raise agreed errors."""
+        """Flush the micro-step and all-reduce the control vector (errors: _disagreement)."""
         me = f"[rank {self.comm.rank}/{self.comm.size}]"
         if self.state is WindowState.REDUCED:
             raise UsageError(f"{me} gradients were already reduced for this step; call sz.step() "
@@ -448,19 +563,23 @@ class ReductionWindow:
         if _in_backward():
             raise UsageError(f"{me} a reduction point was called from inside backward; call it "
                              "after loss.backward() returns.")
-        self._drop_if_backward_died()
+        self._drop_if_interrupted()
         arg_kind, error, active_t, weight_t, bad_t = self._validate_args(phase, weight, active)
         inactive = None if self.config.reduction != "sum" else active_t == 0
-        while self.collectives.next_launch < len(self.layout.buckets):
+        while not self.collectives.all_launched():
             self._launch_one(inactive)
         self.collectives.finish_all()
         assert not self.local, "every local gradient joins a bucket at its launch"
         self.collectives.end_microstep()
+        if self.present:
+            index = torch.tensor(sorted(self.present), dtype=_I64)
+            self.micro_presence[index.to(self.comm.device)] = 1
+            self.present.clear()
         self.window_presence |= self.micro_presence * active_t
         self.window_active |= active_t
         self.micro_presence.zero_()
         values = self._agree(phase, arg_kind, error, bad_t, weight_t)
-        self._raise_disagreements(values)
+        self._adopt_launch_order(values)
         self.dropped = 0
         self._reset_microstep()
         self.state = WindowState.IDLE
@@ -482,57 +601,98 @@ class ReductionWindow:
         if phase == _PHASE_REDUCE:
             vector[c.nonfinite] = self.storage.nonfinite().to(_I64)
             vector[c.presence] = self.window_presence
+        host = [0] * (c.late.stop - c.late.start + 2 * len(self.units.names))
         for t in self.late:
-            vector[c.late.start + t] = 1
-        vector[c.passed] = torch.tensor(self.unit_passed, dtype=_I64, device=self.comm.device)
+            host[t] = 1
+        units = len(self.units.names)
+        base = c.late.stop - c.late.start
+        for u in range(units):
+            host[base + u] = int(self.unit_passed[u])
+        if r == 0 and not self.order_adopted:
+            for position, u in enumerate(self.pass_order):
+                host[base + units + u] = position + 1
+        vector[c.late.start:c.order.stop] = torch.tensor(host, dtype=_I64, device=self.comm.device)
         self.comm.all_reduce(vector)
         return vector.tolist()  # the one device-to-host read of a reduction point
 
-    def _raise_disagreements(self, values: list[int]) -> None:
+    def _adopt_launch_order(self, values: list[int]) -> None:
+        """Once, when group rank 0 has seen every firable unit pass: launch buckets in the order
+        their units passed there (DDP rebuilds its buckets the same way after one iteration), so
+        a model that runs its blocks in another order than it registers them stays bounded."""
+        if self.order_adopted or not self.launches_in_backward:
+            return
+        position = values[self.control.order]
+        if not any(position):
+            return
+        self.order_adopted = True
+        late = len(self.units.names) + 1  # units that never passed: at the end, in their order
+        ready = [max((position[u] or late) for u in self.bucket_units[b])
+                 for b in range(len(self.layout.buckets))]
+        order = sorted(range(len(self.layout.buckets)), key=lambda b: (ready[b], b))
+        if order != self.collectives.order:
+            self.collectives.set_order(order)
+            if self.comm.rank == 0:
+                logger.warning("selzero %r: the launch units pass in another order than the "
+                               "buckets were planned in; buckets now launch in that order.",
+                               self.config.name)
+
+    def _disagreement(self, values: list[int]) -> Exception | None:
+        """The error every rank raises for this reduction point, decided from the agreed
+        values alone (so it is the same on every rank), or None."""
         c, me = self.control, f"[rank {self.comm.rank}/{self.comm.size}]"
+        mode = self.config.reduction
         codes = values[c.signature]
-        if any(code != codes[0] for code in codes) or codes[0] >= 16:
-            described = ", ".join(f"rank {r}: {_describe_code(code, self.config.reduction)}"
+        if any(code != codes[0] for code in codes):
+            described = ", ".join(f"rank {r}: {_describe_code(code, mode)}"
                                   for r, code in enumerate(codes))
-            self._fail(UsageError(
+            return UsageError(
                 f"{me} the ranks of selzero's group did not make the same reduction call "
                 f"({described}). Every rank must call end_microstep()/reduce_gradients()/step() "
-                f"together, with the arguments reduction={self.config.reduction!r} takes."))
+                f"together, with the arguments reduction={mode!r} takes.")
+        if codes[0] >= 16:
+            return UsageError(
+                f"{me} {_describe_code(codes[0], mode)}. The window was dropped on every rank.")
         dropped = values[c.dropped]
         if any(d != dropped[0] for d in dropped):
-            self._fail(UsageError(
+            return UsageError(
                 f"{me} the ranks dropped different numbers of windows whose backward raised "
                 f"(per group rank: {dropped}): when a backward fails, every rank must skip that "
-                "batch (catch the error, zero the gradients, go on) or none. The window was "
-                "dropped on every rank."))
+                "batch, or none. Call sz.zero_grad() on every rank when skipping a batch (it "
+                "also reconciles ranks whose backward failed before reaching selzero). The "
+                "window was dropped on every rank.")
         second = [r for r, flag in enumerate(values[c.second_backward]) if flag]
         if second:
-            self._fail(UsageError(
+            return UsageError(
                 f"{me} a second backward reached selzero's parameters before the previous "
                 f"reduced micro-step was closed (seen on group rank(s) {second}). Call "
                 "sz.end_microstep() between backward passes, or run the earlier micro-steps "
                 "inside `with sz.no_sync():` (or your DDP model's no_sync()). The window was "
-                "dropped on every rank."))
+                "dropped on every rank.")
         late = [self.trainable[t].name for t, flag in enumerate(values[c.late]) if flag]
         if late:
             units = sorted({self.units.names[self.units.of_entry[t]]
                             for t, flag in enumerate(values[c.late]) if flag})
-            self._fail(UsageError(
+            return UsageError(
                 f"{me} {len(late)} selected parameter(s) got a gradient after their bucket was "
                 f"launched at the post-backward of its launch unit(s) {units[:3]}: "
                 f"{late[:5]}. A parameter used outside its unit (or a unit called again inside "
                 "a checkpoint) needs a unit that contains every use: set launch_modules to such "
-                "a module, or overlap=False. The window was dropped on every rank."))
+                "a module, or overlap=False. The window was dropped on every rank.")
         opened = sum(values[c.opened])
         partial = [self.units.names[u] for u, n in enumerate(values[c.passed])
                    if 0 < n < opened] if self.launches_in_backward else []
         if partial:
-            self._fail(UsageError(
+            return UsageError(
                 f"{me} launch unit(s) {partial[:3]} ran their backward on some of the {opened} "
                 "rank(s) that ran one, not on all: a launch unit must run on every rank whatever "
                 "the routing (selzero launches a bucket when the backward passes its unit). Set "
                 "launch_modules to modules that do (the MoE block that holds the experts), or "
-                "overlap=False. The window was dropped on every rank."))
+                "overlap=False. The window was dropped on every rank.")
+        return None
+
+    def _raise_agreed(self, error: Exception | None) -> None:
+        if error is not None:
+            self._fail(error)
 
     def _fail(self, error: Exception) -> None:
         self.dropped = 0
@@ -552,11 +712,11 @@ class ReductionWindow:
                 return _ARG_WEIGHT, _ERR_ARG_NOT_ACCEPTED, one, zero, zero
             if active is None:
                 return _ARG_ACTIVE, _ERR_NONE, one, zero, zero
-            if isinstance(active, bool):
-                return _ARG_ACTIVE, _ERR_NONE, one if active else zero, zero, zero
             if isinstance(active, torch.Tensor) and active.numel() == 1:
                 flag = active.detach().reshape(()).to(device=device).ne(0).to(_I64)
                 return _ARG_ACTIVE, _ERR_NONE, flag, zero, zero
+            if isinstance(active, (bool, numbers.Integral)) and active in (0, 1):
+                return _ARG_ACTIVE, _ERR_NONE, one if active else zero, zero, zero
             return _ARG_ACTIVE, _ERR_BAD_VALUE, one, zero, zero
         if active is not None:
             return _ARG_ACTIVE, _ERR_ARG_NOT_ACCEPTED, one, zero, zero
@@ -580,6 +740,14 @@ class ReductionWindow:
         return _ARG_WEIGHT, _ERR_NONE, one, torch.tensor(value, dtype=_I64, device=device), zero
 
     # ---- the decision ----------------------------------------------------------------------
+
+    def _decide_would_raise(self, values: list[int]) -> bool:
+        """Whether _decide raises for these values, given a positive global weight."""
+        c = self.control
+        expected = values[c.active.start] if self.config.reduction == "sum" else self.comm.size
+        missing = any(0 < p < expected for p in values[c.presence])
+        return (self.config.missing_grad == "error" and missing) or \
+            (self.config.nonfinite == "error" and values[c.nonfinite.start] > 0)
 
     def _decide(self, global_weight: int, presence: list[int], nonfinite: int,
                 expected: int) -> Decision:
@@ -655,11 +823,16 @@ class ReductionWindow:
 
 
 def _as_int_weight(weight: Any) -> int | None:
-    if isinstance(weight, float) and weight.is_integer():
-        weight = int(weight)
-    if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
+    """A non-negative integer given as any integral or integer-valued real (numpy included)."""
+    if isinstance(weight, bool):
         return None
-    return weight
+    if isinstance(weight, numbers.Integral):
+        weight = int(weight)
+    elif isinstance(weight, numbers.Real) and float(weight).is_integer():
+        weight = int(weight)
+    else:
+        return None
+    return weight if weight >= 0 else None
 
 
 def _describe_code(code: int, mode: str) -> str:

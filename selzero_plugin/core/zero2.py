@@ -177,24 +177,39 @@ class SelectedZero2:
                                                   self.host_optimizer)
         self._normalize_comm: Communicator | None = None
         self._world_comm: Communicator | None = None
+        self._control_comm: Communicator | None = None
         over_group = self.normalize_ranks == comm.global_ranks
         self.window = ReductionWindow(
             config=config, comm=comm, layout=self.layout, storage=self.storage,
             collectives=self.collectives, trainable=self.trainable, units=self.units,
             model=self.model, normalize_size=len(self.normalize_ranks),
-            normalize_weight=None if over_group else self._sum_over_normalize_ranks)
+            normalize_weight=None if over_group else self._sum_over_normalize_ranks,
+            control_comm=self._control_communicator)
         self.window.install()
 
     # ---- communicators beyond the group (created at first use) --------------------------------
 
-    def _sum_over_normalize_ranks(self, weight: torch.Tensor) -> torch.Tensor:
+    def _sum_over_normalize_ranks(self, weight: torch.Tensor, failed: bool) -> tuple[int, bool]:
+        """(token count summed over the normalize_over ranks, whether any of them failed)."""
         if self._normalize_comm is None:
             self._normalize_comm = Communicator.create(self.normalize_ranks,
                                                        timeout_s=self.config.timeout_s,
-                                                       device=self.comm.device)
-        total = weight.reshape(1).clone()
+                                                       device=self.comm.device, shared=True)
+        total = torch.stack([weight.reshape(()), torch.tensor(int(failed), device=weight.device)])
         self._normalize_comm.all_reduce(total)
-        return total[0]
+        count, failures = total.tolist()
+        return count, failures > int(failed)
+
+    def _control_communicator(self) -> Communicator:
+        """A second communicator over the group, for agreements while bucket collectives may
+        still be pending on the first (zero_grad after a failed backward)."""
+        if self._control_comm is None:
+            self._control_comm = Communicator.create(self.comm.global_ranks,
+                                                     timeout_s=self.config.timeout_s,
+                                                     device=self.comm.device,
+                                                     purpose="control") \
+                if dist.is_available() and dist.is_initialized() else self.comm
+        return self._control_comm
 
     @property
     def spans_world(self) -> bool:
@@ -209,7 +224,7 @@ class SelectedZero2:
         if self._world_comm is None:
             self._world_comm = Communicator.create(list(range(dist.get_world_size())),
                                                    timeout_s=self.config.timeout_s,
-                                                   device=self.comm.device)
+                                                   device=self.comm.device, shared=True)
         return self._world_comm
 
     # ---- public attributes -----------------------------------------------------------------
@@ -337,9 +352,11 @@ class SelectedZero2:
         return result
 
     def zero_grad(self) -> None:
-        """Drop the current window on every rank (all ranks call it): its gradients, presence
-        and reduced shard. After a backward that raised, this is what the next forward or
-        reduction point also does by itself."""
+        """Drop the current window on every rank (every rank of the group calls it: it is a
+        small collective): its gradients, presence and reduced shard. After a backward that
+        raised, the next forward or reduction point drops the window by itself when every rank's
+        backward reached selzero; call this on every rank that skips a batch to also reconcile
+        ranks whose backward failed before (in the loss's own backward)."""
         self.window.zero_grad()
 
     # ---- host interplay -------------------------------------------------------------------
@@ -388,7 +405,7 @@ class SelectedZero2:
         optimizer.load_state_dict({"state": by_index,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
         self.collectives.all_gather_updated([True] * len(self.layout.virtuals))
-        self.window.zero_grad()
+        self.window.finish_step()  # an idle window (checked before reading): nothing launched
 
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
