@@ -107,7 +107,8 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
     reduce_scatter = sz.comm.reduce_scatter_rows
 
     def tracking_reduce_scatter(buffer: torch.Tensor) -> Any:
-        buffers.append(StorageWeakRef(buffer.untyped_storage()))
+        storage = buffer.untyped_storage()
+        buffers.append((StorageWeakRef(storage), storage.data_ptr()))
         return reduce_scatter(buffer)
 
     sz.comm.reduce_scatter_rows = tracking_reduce_scatter
@@ -132,7 +133,12 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
         sz.reduce_gradients()
         gc.collect()
         record["buffers_reduced"] = len(buffers)
-        record["buffers_alive_after_reduction"] = sum(not r.expired() for r in buffers)
+        # on the CPU two pooled blocks are reused for every bucket ([Note: buffer pool]); any
+        # other bucket buffer must be gone
+        pooled = sz.collectives.pool.kept
+        record["buffers_alive_after_reduction"] = sum(not r.expired() and ptr not in pooled
+                                                      for r, ptr in buffers)
+        record["from_pool"] = sum(ptr in pooled for _, ptr in buffers)
         record["bucket_buffers_held"] = [i for i, b in enumerate(sz.collectives.buffers)
                                          if b is not None]
         sz.step()
