@@ -76,12 +76,19 @@ class ShardStorage:
         s = self.slots[i]
         return self.grad_shard[s.shard_offset:s.shard_offset + s.numel]
 
-    def load_masters(self) -> None:
-        """Re-read the FP32 masters from the (bf16/fp16) parameters."""
+    def load_masters(self, values: dict[str, torch.Tensor] | None = None) -> None:
+        """Re-read the FP32 masters from the (bf16/fp16) parameters, or from full FP32
+        ``values`` by canonical name."""
         with torch.no_grad():
             for i, seg in enumerate(self.segments):
-                if self.master_offset[i] is not None:
+                if self.master_offset[i] is None:
+                    continue
+                if values is None:
                     seg.data.copy_(self.param_chunk(i))
+                    continue
+                s = self.slots[i]
+                start = self.layout.virtuals[s.virtual].chunk_start(self.rank)
+                seg.data.copy_(values[self.entry_of(s).name].reshape(-1)[start:start + s.numel])
 
     def rebind(self) -> None:
         """Point fp32 segments at the parameters' storage again (the host may have replaced it)."""

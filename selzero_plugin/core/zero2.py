@@ -361,11 +361,36 @@ class SelectedZero2:
 
     # ---- host interplay -------------------------------------------------------------------
 
-    def sync_from_params(self) -> None:
-        """Re-read masters (and re-bind fp32 segment views) after the host loaded new weights."""
+    def sync_from_params(self, values: Mapping[str, torch.Tensor] | None = None, *,
+                         broadcast: bool = False) -> None:
+        """Re-read masters (and re-bind fp32 segment views) after the host loaded new weights.
+
+        ``values`` maps canonical names of trainable selected parameters to full-precision
+        values (e.g. taken before a host cast the module to bf16): the masters are read from
+        them and the parameters set to their cast, so no rounding is lost. With ``broadcast``
+        (a collective of the group) the values are first broadcast from group rank 0.
+        """
         self._check_dtypes()
         self.storage.rebind()
-        self.storage.load_masters()
+        if values is None:
+            self.storage.load_masters()
+            return
+        missing = [e.name for e in self.trainable if e.name not in values]
+        wrong = [e.name for e in self.trainable if e.name in values
+                 and tuple(values[e.name].shape) != tuple(e.param.shape)]
+        if missing or wrong:
+            raise UsageError(f"sync_from_params(values=...): missing values for {missing[:3]} / "
+                             f"wrong shapes for {wrong[:3]}; pass one full tensor per trainable "
+                             "selected parameter, keyed by its canonical name (sz.trainable_names).")
+        full = [values[e.name].detach().to(device=self.comm.device, dtype=torch.float32)
+                for e in self.trainable]
+        if broadcast:
+            full = [t.clone() for t in full]
+            self.collectives.broadcast(full, int(self.config.bucket_mb * 2 ** 20))
+        with torch.no_grad():
+            for e, value in zip(self.trainable, full):
+                e.param.data.copy_(value.view_as(e.param))
+        self.storage.load_masters({e.name: v for e, v in zip(self.trainable, full)})
 
     def _check_dtypes(self) -> None:
         for e in self.entries:

@@ -1,0 +1,624 @@
+"""DeepSpeed: the ``"selected_zero2"`` config entry.
+
+``import selzero_plugin.deepspeed`` registers the plugin: ``deepspeed.initialize`` (yours,
+Accelerate's, the HF Trainer's) then honours a top-level ``"selected_zero2"`` block of the
+DeepSpeed config; ``selzero_plugin.deepspeed.initialize`` does the same explicitly. Without the
+block nothing changes.
+
+[Note: DeepSpeed adapter]
+The selected parameters are never handed to DeepSpeed: they are left out of the parameters (and
+of a client optimizer's groups) DeepSpeed's optimizer is built on, so ZeRO-1/2 neither partition
+nor reduce them; stage 0, which walks every module parameter in ``allreduce_gradients``, is
+given a view without them. selzero is built on the engine's module after ``initialize`` (after
+DeepSpeed's bf16 cast and its broadcast), with its FP32 masters taken from values snapshotted
+before the cast (broadcast from rank 0, as DeepSpeed broadcasts the module).
+DeepSpeed's vocabulary maps onto the core's phases:
+- a backward that is not at the accumulation boundary ends a micro-step (``end_microstep``),
+  in ``engine.backward`` or, after a plain ``loss.backward()``, in ``engine.step``;
+- ``engine.step`` at the boundary reduces (``reduce_gradients``) and hands the subset's squared
+  norm to DeepSpeed's own norm computation (one patch point per DeepSpeed optimizer wrapper:
+  ZeRO's ``scaled_global_norm``, BF16_Optimizer's ``get_grads_for_norm``, FP16_Optimizer's
+  ``unscale_and_clip_grads``, stage 0 fp32's ``clip_fp32_gradients``), so DeepSpeed clips by the
+  true global norm and ``get_global_grad_norm()`` reports it;
+- inside DeepSpeed's optimizer step, once DeepSpeed decided (overflow or not) and before its
+  lr scheduler moves, selzero scales its shards by the same clip coefficient and steps with the
+  lr of that moment, or drops its window when DeepSpeed skipped the step.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import json
+import logging
+import math
+import os
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .checkpoint import host as host_checkpoint
+from .config import SelZeroConfig
+from .core.selection import resolve_selection
+from .core.window import WindowState
+from .core.zero2 import SelectedZero2
+from .errors import CheckpointError, ConfigError, SelectionError, UsageError
+
+__all__ = ["initialize", "register", "TESTED_VERSIONS", "ENTRY"]
+
+ENTRY = "selected_zero2"
+TESTED_VERSIONS = ("0.19.0", "0.20.0")  # [low, high): the range setup.cfg's extra declares
+logger = logging.getLogger("selzero_plugin")
+
+# DeepSpeed internals the plugin wraps: (owner, attribute, parameters it must accept)
+_ENGINE_METHODS = {
+    "backward": ["loss"], "step": ["lr_kwargs"], "is_gradient_accumulation_boundary": [],
+    "allreduce_gradients": [], "clip_fp32_gradients": [], "gradient_clipping": [],
+    "save_checkpoint": ["save_dir", "tag", "client_state", "save_latest"],
+    "load_checkpoint": ["load_dir", "tag", "load_module_strict", "load_optimizer_states",
+                        "load_lr_scheduler_states", "load_module_only"],
+    "no_sync": [], "was_step_applied": [], "get_global_grad_norm": [],
+    "zero_optimization_stage": [], "bfloat16_enabled": [], "fp16_enabled": [],
+}
+
+
+# ---- registration -------------------------------------------------------------------------
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def _check_deepspeed(deepspeed: Any) -> None:
+    """Every DeepSpeed internal the plugin wraps exists with the parameters it passes."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    problems = []
+    for name, needed in _ENGINE_METHODS.items():
+        fn = getattr(DeepSpeedEngine, name, None)
+        if not callable(fn):
+            problems.append(f"DeepSpeedEngine.{name} is missing")
+            continue
+        params = inspect.signature(inspect.unwrap(fn)).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = [] if takes_any else [p for p in needed if p not in params]
+        if missing:
+            problems.append(f"DeepSpeedEngine.{name} lacks parameter(s) {missing}")
+    try:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        if "norm_type" not in inspect.signature(DeepSpeedZeroOptimizer.scaled_global_norm).parameters:
+            problems.append("DeepSpeedZeroOptimizer.scaled_global_norm lacks norm_type")
+    except (ImportError, AttributeError) as e:
+        problems.append(f"DeepSpeedZeroOptimizer.scaled_global_norm: {e}")
+    init_params = inspect.signature(deepspeed.initialize).parameters
+    for p in ("args", "model", "optimizer", "model_parameters", "config", "config_params"):
+        if p not in init_params:
+            problems.append(f"deepspeed.initialize lacks parameter {p!r}")
+    if problems:
+        raise ImportError(
+            f"selzero_plugin.deepspeed: DeepSpeed {deepspeed.__version__} does not have the "
+            f"internals the plugin wraps: {'; '.join(problems)}. Install a DeepSpeed in the "
+            f"tested range (>={TESTED_VERSIONS[0]},<{TESTED_VERSIONS[1]}, the 'deepspeed' extra "
+            "of selzero_plugin).")
+    version = _version_tuple(deepspeed.__version__)
+    if not _version_tuple(TESTED_VERSIONS[0]) <= version < _version_tuple(TESTED_VERSIONS[1]):
+        warnings.warn(f"selzero_plugin.deepspeed is tested with DeepSpeed >={TESTED_VERSIONS[0]},"
+                      f"<{TESTED_VERSIONS[1]}; this is {deepspeed.__version__}. The internals it "
+                      "wraps exist, but check the results.", stacklevel=3)
+
+
+def register() -> None:
+    """Make ``deepspeed.initialize`` honour the ``"selected_zero2"`` entry (idempotent)."""
+    import deepspeed
+
+    if getattr(deepspeed.initialize, "_selzero_wrapped", False):
+        return
+    _check_deepspeed(deepspeed)
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return _initialize(original, *args, **kwargs)
+
+    wrapped._selzero_wrapped = True  # type: ignore[attr-defined]
+    wrapped._selzero_original = original  # type: ignore[attr-defined]
+    deepspeed.initialize = wrapped
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.initialize`` with the ``"selected_zero2"`` entry honoured (same signature)."""
+    import deepspeed
+
+    register()
+    return _initialize(deepspeed.initialize._selzero_original, *args, **kwargs)
+
+
+# ---- initialize ---------------------------------------------------------------------------
+
+
+def _load_config(bound: dict[str, Any]) -> tuple[str, Any]:
+    """(where the config came from, the config) as deepspeed.initialize resolves it."""
+    if bound.get("config") is not None:
+        return "config", bound["config"]
+    if bound.get("config_params") is not None:
+        return "config_params", bound["config_params"]
+    args = bound.get("args")
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if getattr(args, attr, None) is not None:
+            return attr, getattr(args, attr)
+    return "", None
+
+
+def _read_config(config: Any) -> dict[str, Any] | None:
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                return json.load(f)
+        except ValueError:
+            return None  # not JSON (hjson, ...): leave it to DeepSpeed, which has no entry then
+    return None
+
+
+def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> None:
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    if stage == 3:
+        raise ConfigError(
+            "selected_zero2 with zero_optimization.stage=3: ZeRO-3 takes every module parameter "
+            "(deepspeed/runtime/zero/parameter_offload.py), so none can be left to selzero. Use "
+            "stage 2 (or 0/1) with the entry, or FSDP2 as the host through Accelerate "
+            "(selzero-accelerate launch --selzero_config ...).")
+    if (ds_config.get("fp16") or {}).get("enabled") in (True, "true", "auto"):
+        raise ConfigError(
+            "selected_zero2 with fp16.enabled: the subset's gradients would need DeepSpeed's "
+            "dynamic loss scale and its overflow check, which selzero does not take part in. "
+            "Use bf16 ({\"bf16\": {\"enabled\": true}}) or fp32.")
+    if "expert_parallel" in ds_config:
+        raise ConfigError(
+            "selected_zero2 together with DeepSpeed's own \"expert_parallel\" block (AutoEP): "
+            "AutoEP replaces the MoE layers and reduces their gradients itself, so selzero "
+            "would not see them. Use one of them: remove \"expert_parallel\" and select the "
+            "experts with selected_zero2, or remove selected_zero2.")
+    if bound.get("mpu") is not None or (ds_config.get("tensor_parallel") or {}).get("autotp_size"):
+        raise ConfigError(
+            "selected_zero2 with DeepSpeed model/tensor parallelism (an mpu, or "
+            "tensor_parallel.autotp_size): not supported; selzero's norm would be counted once "
+            "per tensor-parallel rank. Drop the entry or the model parallelism.")
+
+
+def _entry_config(block: Any) -> SelZeroConfig:
+    if not isinstance(block, dict):
+        raise ConfigError(f"\"selected_zero2\": expected an object of selzero fields, got "
+                          f"{block!r}; e.g. {{\"params\": [\"*.experts.*\"]}}.")
+    block = dict(block)
+    group = block.pop("group", "world")
+    if group != "world":
+        if isinstance(group, dict) and set(group) == {"expert_parallel_size"}:
+            raise ConfigError(
+                f"\"selected_zero2\": group={group!r}: expert-parallel groups are not available "
+                "in this version of selzero_plugin yet; use \"group\": \"world\" (the default).")
+        raise ConfigError(f"\"selected_zero2\": group={group!r}: expected \"world\" or "
+                          "{\"expert_parallel_size\": E}.")
+    if "params" not in block and "modules" not in block:
+        raise ConfigError("\"selected_zero2\": 'params' is required (e.g. \"params\": "
+                          "[\"*.experts.*\"]).")
+    block.setdefault("params", [])
+    return SelZeroConfig.from_dict(block)
+
+
+def _filter_parameters(model_parameters: Any, model: nn.Module, selected: set[int]) -> Any:
+    """``model_parameters`` (or the module's) without the selected parameters."""
+    if model_parameters is None:
+        return [p for p in model.parameters() if id(p) not in selected]
+    items = list(model_parameters)
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, dict):
+            group = dict(item)
+            group["params"] = [p for p in _as_list(item["params"]) if id(p) not in selected]
+            out.append(group)
+        elif id(item) not in selected:
+            out.append(item)
+    return out
+
+
+def _as_list(params: Any) -> list[Any]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _strip_client_optimizer(optimizer: torch.optim.Optimizer, selected: set[int]
+                            ) -> dict[int, dict[str, Any]]:
+    """Remove the selected parameters from a client optimizer (groups and state), in place.
+    Returns, per selected parameter id, the group dict that held it."""
+    held: dict[int, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        kept = []
+        for p in group["params"]:
+            if id(p) in selected:
+                held[id(p)] = group
+                optimizer.state.pop(p, None)
+            else:
+                kept.append(p)
+        group["params"] = kept
+    return held
+
+
+def _subset_optimizer(engine: Any, ds_config: dict[str, Any], client_groups: dict[int, Any],
+                      trainable: list[Any]) -> tuple[Any, dict[str, Any], bool]:
+    """(optimizer for SelectedZero2, its kwargs, whether it mirrors a torch host instance).
+
+    A torch.optim basic optimizer (a client instance, or a config type built by torch) is
+    mirrored: selzero re-reads its scheduled values at every step. DeepSpeed's own kernels
+    (FusedAdam, DeepSpeedCPUAdam, ...) are replaced by the torch optimizer of the same
+    algorithm with the config block's hyperparameters; the lr follows DeepSpeed's group 0.
+    """
+    basic = engine.basic_optimizer
+    if type(basic).__module__.startswith("torch.optim"):
+        return basic, {}, True
+    block = ds_config.get("optimizer") or {}
+    name = str(block.get("type", "")).lower()
+    params = dict(block.get("params") or {})
+    adam_w_mode = params.pop("adam_w_mode", True)
+    for key in ("torch_adam", "fp32_optimizer_states", "bias_correction", "set_grad_none"):
+        params.pop(key, None)
+    if name in ("adam", "adamw", "fusedadam", "cpuadam"):
+        cls = torch.optim.AdamW if (name == "adamw" or adam_w_mode) else torch.optim.Adam
+    elif name and hasattr(torch.optim, block.get("type", "")):
+        cls = getattr(torch.optim, block["type"])
+    else:
+        raise ConfigError(
+            f"selected_zero2: DeepSpeed's optimizer {type(basic).__name__} (config type "
+            f"{block.get('type')!r}) has no torch.optim equivalent selzero can run on the "
+            "subset. Use an elementwise optimizer (Adam, AdamW, SGD, Adagrad, ...) or pass a "
+            "torch.optim client optimizer.")
+    return cls, params, False
+
+
+class _Plumbing:
+    """What the wrappers of one engine share."""
+
+    def __init__(self, engine: Any, sz: SelectedZero2, mirrors_host: bool) -> None:
+        self.engine = engine
+        self.sz = sz
+        self.mirrors_host = mirrors_host
+        self.pending_sq: torch.Tensor | None = None  # the subset's squared norm, this step
+        self.total_norm: float | None = None  # the global norm DeepSpeed clipped with
+
+    # ---- micro-steps ---------------------------------------------------------------------
+
+    def close_microstep(self) -> None:
+        """End the micro-step of a backward that is not at the boundary (once)."""
+        # after a backward every rank's window awaits its close (the model's output hook sees
+        # the backward whatever the routing); IDLE: the user closed it (sum: active=...)
+        if self.sz.state in (WindowState.OPEN, WindowState.AWAITING_CLOSE):
+            self.sz.end_microstep()
+
+    def reduce(self) -> None:
+        sz = self.sz
+        if sz.state is not WindowState.REDUCED:
+            if sz.config.reduction != "mean":
+                raise UsageError(
+                    f"selected_zero2 reduction={sz.config.reduction!r}: call "
+                    "engine.selzero.reduce_gradients(weight=..., active=...) before "
+                    "engine.step() at the accumulation boundary (mean needs no arguments and is "
+                    "what DeepSpeed's averaging matches).")
+            sz.reduce_gradients()
+        self.pending_sq = sz.grad_norm_squared().detach().float()
+        self.total_norm = None
+
+    # ---- after DeepSpeed's optimizer decided ---------------------------------------------
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        sz = self.sz
+        if sz.state is not WindowState.REDUCED:
+            return  # not a boundary step of ours (should not happen)
+        if bool(getattr(optimizer, "overflow", False)):
+            sz.zero_grad()  # DeepSpeed skipped the step (every rank agrees): so does selzero
+            return
+        total = self.total_norm
+        if total is None:
+            total = math.sqrt(float(self.pending_sq)) if self.pending_sq is not None else 0.0
+        clip = float(self.engine.gradient_clipping())
+        if clip > 0 and math.isfinite(total):
+            coef = clip / (total + 1e-6)
+            if coef < 1.0:
+                sz.scale_gradients_(coef)
+        elif not math.isfinite(total):
+            sz.scale_gradients_(total)  # handled like a non-finite gradient (nonfinite policy)
+        lr = None if self.mirrors_host else self.engine.basic_optimizer.param_groups[0]["lr"]
+        if sz.state is WindowState.REDUCED:
+            sz.step(lr=lr)
+
+
+def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
+    plumbing = _Plumbing(engine, sz, mirrors_host)
+    selected = [e.param for e in sz.trainable]
+
+    orig_backward = engine.backward
+
+    @functools.wraps(orig_backward)
+    def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = orig_backward(loss, *args, **kwargs)
+        if not engine.is_gradient_accumulation_boundary():
+            plumbing.close_microstep()
+        return out
+
+    orig_step = engine.step
+
+    @functools.wraps(orig_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not engine.is_gradient_accumulation_boundary():
+            plumbing.close_microstep()
+            return orig_step(*args, **kwargs)
+        plumbing.reduce()
+        try:
+            return orig_step(*args, **kwargs)
+        finally:
+            plumbing.pending_sq = None
+            if sz.state is WindowState.REDUCED:  # DeepSpeed raised before deciding
+                sz.zero_grad()
+
+    orig_allreduce = engine.allreduce_gradients
+
+    @functools.wraps(orig_allreduce)
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        # stage 0 walks every module parameter that requires grad (zero-filling missing grads)
+        flags = [p.requires_grad for p in selected]
+        for p in selected:
+            p.requires_grad_(False)
+        try:
+            return orig_allreduce(*args, **kwargs)
+        finally:
+            for p, f in zip(selected, flags):
+                p.requires_grad_(f)
+
+    orig_no_sync = engine.no_sync
+
+    @functools.wraps(orig_no_sync)
+    def no_sync(*args: Any, **kwargs: Any) -> Any:
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(orig_no_sync(*args, **kwargs))
+        stack.enter_context(sz.no_sync())
+        return stack
+
+    engine.backward = backward
+    engine.step = step
+    engine.allreduce_gradients = allreduce_gradients
+    engine.no_sync = no_sync
+    _install_norm(engine, plumbing)
+    _install_checkpoint(engine, plumbing)
+    engine.selzero = sz
+    return plumbing
+
+
+def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
+    """DeepSpeed clips by, and reports, the norm over its parameters and the subset."""
+    optimizer = engine.optimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    def combined(norm: Any, scale: float) -> Any:
+        """sqrt(norm^2 + subset^2 * scale^2); DeepSpeed's invalid-norm sentinel (-1) stays."""
+        if plumbing.pending_sq is None:
+            return norm
+        value = norm if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
+        if float(value) < 0:
+            return norm
+        sq = plumbing.pending_sq.to(value.device)
+        total = (value.float().pow(2) + sq * float(scale) ** 2).sqrt()
+        plumbing.total_norm = float(total) / float(scale)
+        return total.to(value.dtype) if isinstance(norm, torch.Tensor) else float(total)
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        orig = optimizer.scaled_global_norm
+
+        def scaled_global_norm(norm_type: int = 2) -> Any:
+            return combined(orig(norm_type=norm_type), float(optimizer.loss_scale))
+
+        optimizer.scaled_global_norm = scaled_global_norm
+    elif isinstance(optimizer, BF16_Optimizer):
+        orig_grads = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False) -> Any:
+            out = orig_grads(for_clipping=for_clipping)
+            if for_clipping or plumbing.pending_sq is None:
+                return out
+            non_expert, expert = out
+            extra = plumbing.pending_sq.sqrt().reshape(1).to(
+                non_expert[0].device if non_expert else plumbing.pending_sq.device)
+            return list(non_expert) + [extra], expert
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+    elif isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        # stage 0 bf16: (grad_groups_flat, total_norm, ...) or (total_norm, ...)
+        orig_clip = optimizer.unscale_and_clip_grads
+        at = list(inspect.signature(orig_clip).parameters).index("total_norm")
+
+        def unscale_and_clip_grads(*args: Any, **kwargs: Any) -> Any:
+            scale = float(optimizer.loss_scale_config.cur_scale)
+            if "total_norm" in kwargs:
+                kwargs["total_norm"] = combined(kwargs["total_norm"], scale)
+            else:
+                args = args[:at] + (combined(args[at], scale),) + args[at + 1:]
+            return orig_clip(*args, **kwargs)
+
+        optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        def clip_fp32_gradients() -> None:
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            host_sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
+            total = combined(host_sq.sqrt(), 1.0)
+            clip = float(engine.gradient_clipping())
+            coef = clip / (float(total) + 1e-6)
+            if coef < 1.0 and grads:
+                torch._foreach_mul_(grads, coef)
+
+        engine.clip_fp32_gradients = clip_fp32_gradients
+    else:
+        raise ConfigError(f"selected_zero2: DeepSpeed chose the optimizer wrapper "
+                          f"{type(optimizer).__name__}, which the plugin does not know how to "
+                          "combine norms with; use ZeRO stage 0/1/2 with fp32 or bf16.")
+
+    orig_opt_step = optimizer.step
+
+    @functools.wraps(orig_opt_step)
+    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        out = orig_opt_step(*args, **kwargs)
+        if plumbing.pending_sq is not None:
+            if plumbing.total_norm is None and isinstance(optimizer, torch.optim.Optimizer):
+                # stage 0 fp32 without clipping: DeepSpeed computes no norm; report the true one
+                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                host_sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
+                combined(host_sq.sqrt(), 1.0)
+            elif plumbing.total_norm is None and getattr(optimizer, "_global_grad_norm", None) \
+                    is not None:  # a wrapper that did not clip this step: combine its norm
+                combined(torch.as_tensor(float(optimizer._global_grad_norm)), 1.0)
+            if plumbing.total_norm is not None and not bool(getattr(optimizer, "overflow", False)):
+                optimizer._global_grad_norm = plumbing.total_norm
+            plumbing.after_optimizer_step(optimizer)
+        return out
+
+    optimizer.step = optimizer_step
+
+
+def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
+    sz = plumbing.sz
+    orig_save = engine.save_checkpoint
+    orig_load = engine.load_checkpoint
+
+    @functools.wraps(orig_save)
+    def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        host_checkpoint.save_into(os.path.join(save_dir, tag), [sz],
+                                  rank=torch.distributed.get_rank())
+        sz.comm.all_reduce(torch.zeros(1, device=sz.comm.device))  # every rank's part is done
+        return orig_save(save_dir, tag, *args, **kwargs)
+
+    @functools.wraps(orig_load)
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any,
+                        selzero_fresh_start: bool = False, **kwargs: Any) -> Any:
+        resolved = tag
+        if resolved is None:  # DeepSpeed's rule: the tag in `latest`
+            latest = os.path.join(load_dir, "latest_universal" if
+                                  engine.load_universal_checkpoint() else "latest")
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    resolved = f.read().strip()
+        folder = os.path.join(load_dir, str(resolved)) if resolved is not None else None
+        names = ["load_module_strict", "load_optimizer_states", "load_lr_scheduler_states",
+                 "load_module_only"]
+        options = dict(zip(names, args))
+        options.update(kwargs)
+        module_only = bool(options.get("load_module_only", False))
+        fresh = False
+        if folder is not None and os.path.isdir(folder) and not module_only \
+                and not host_checkpoint.has_folder(folder):
+            if not selzero_fresh_start:
+                raise CheckpointError(
+                    f"{folder!r} has no selzero folder ({host_checkpoint.FOLDER}/): it was saved "
+                    "without the \"selected_zero2\" entry, so neither the subset's optimizer "
+                    "state nor a DeepSpeed optimizer state without the subset is there. To load "
+                    "the weights and start both optimizers' state fresh, call "
+                    "engine.load_checkpoint(..., selzero_fresh_start=True).")
+            fresh = True
+            options["load_optimizer_states"] = False
+        load_path, client_state = orig_load(load_dir, tag, **options)
+        if load_path is None:
+            return load_path, client_state
+        if module_only or fresh:
+            if fresh:
+                logger.warning("selzero: %s has no %s/ folder; loaded the weights, the "
+                               "optimizers start fresh.", folder, host_checkpoint.FOLDER)
+            sz.sync_from_params()  # the module's weights, fresh subset state
+        else:
+            host_checkpoint.load_from(folder, [sz])
+        return load_path, client_state
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+
+
+def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    source, raw = _load_config(bound.arguments)
+    config = _read_config(raw)
+    if config is None or ENTRY not in config:
+        return original(*args, **kwargs)
+    sz_config = _entry_config(config[ENTRY])
+    ds_config = {k: v for k, v in config.items() if k != ENTRY}
+    _refuse_unsupported(ds_config, bound.arguments)
+    model = bound.arguments.get("model")
+    if model is None:
+        raise UsageError("deepspeed.initialize(model=...) is required with selected_zero2.")
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=bound.arguments.get("distributed_port", 29500),
+                               dist_init_required=bound.arguments.get("dist_init_required"))
+    entries = resolve_selection(model, params=list(sz_config.params),
+                                modules=list(sz_config.modules), expert_dim=sz_config.expert_dim)
+    if not entries:
+        raise SelectionError(f"\"selected_zero2\": params={list(sz_config.params)} modules="
+                             f"{list(sz_config.modules)} select no parameter of the model; check "
+                             "the names with `selzero plan` or model.named_parameters().")
+    selected = {id(e.param) for e in entries}
+    bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
+    # FP32 values before DeepSpeed casts the module (masters), cloned: the cast may reuse storage
+    snapshot = {e.name: e.param.detach().float().clone() for e in entries if not e.frozen} \
+        if bf16 else None
+
+    call = dict(bound.arguments)
+    call["model_parameters"] = _filter_parameters(call.get("model_parameters"), model, selected)
+    client = call.get("optimizer")
+    client_groups: dict[int, Any] = {}
+    if isinstance(client, torch.optim.Optimizer):
+        client_groups = _strip_client_optimizer(client, selected)
+    if source in ("config", "config_params"):
+        call[source] = ds_config
+    else:  # args.deepspeed_config: hand DeepSpeed the config without the entry
+        args_copy = copy.copy(call["args"])
+        setattr(args_copy, source, None)
+        call["args"] = args_copy
+        call["config"] = ds_config
+    engine, optimizer, dataloader, scheduler = original(**call)
+
+    trainable = [e for e in entries if not e.frozen]
+    opt, opt_kwargs, mirrors = _subset_optimizer(engine, ds_config, client_groups, trainable)
+    # a client optimizer's group that held a selected parameter: mirror that group when it
+    # still exists (DeepSpeed drops groups that end up empty; those mirror group 0)
+    inserted: list[tuple[dict[str, Any], Any]] = []
+    if mirrors and client_groups:
+        live = {id(g): g for g in engine.basic_optimizer.param_groups}
+        for e in trainable:
+            group = client_groups.get(id(e.param))
+            if group is not None and id(group) in live:
+                group["params"].append(e.param)
+                inserted.append((group, e.param))
+    try:
+        sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs)
+    finally:
+        for group, p in inserted:
+            group["params"] = [q for q in group["params"] if q is not p]
+    if snapshot is not None:
+        sz.sync_from_params(snapshot, broadcast=sz_config.broadcast)
+        del snapshot
+    _install(engine, sz, mirrors)
+    return engine, optimizer, dataloader, scheduler
+
+
+register()

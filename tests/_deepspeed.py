@@ -1,0 +1,151 @@
+"""DeepSpeed runs with the "selected_zero2" entry, and their single-process references.
+
+The model is ``BlockMoE`` (tests/_blocks.py): ranks route to different experts (expert 2 of each
+block gets no token anywhere), so stock DeepSpeed would crash or train wrong at ZeRO-1/2.
+DeepSpeed scales each micro-batch loss by 1/GAS and averages over ranks; the reference is one
+process running plain torch AdamW (+ clip_grad_norm_) on the mean over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ._blocks import BlockMoE, block_batch, block_loss, block_routes
+
+LAYERS = 2
+GAS = 2
+CLIP = 0.05
+LR = 1e-2
+WD = 0.1
+SELECT = ["blocks.*.experts.*"]
+
+
+def build_model(seed: int = 0) -> BlockMoE:
+    torch.manual_seed(seed)
+    return BlockMoE(layers=LAYERS)
+
+
+def ds_config(stage: int, bf16: bool, *, clip: float = CLIP, entry: dict[str, Any] | None = None,
+              optimizer: bool = True, world: int = 2) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 6,
+        "gradient_accumulation_steps": GAS,
+        "train_batch_size": 6 * GAS * world,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if optimizer:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD,
+                                                           "torch_adam": True}}
+    if entry is not False:
+        config["selected_zero2"] = entry if entry is not None else {"params": SELECT,
+                                                                     "bucket_mb": 1e-4}
+    return config
+
+
+def _quiet() -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int = 6,
+                    client_optimizer: bool = False, clip: float = CLIP,
+                    save_at: int | None = None, save_dir: str | None = None,
+                    load_dir: str | None = None, style: str = "engine",
+                    with_entry: bool = True, fresh_start: bool = False) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps; return parameters (fp32), reported norms, DS state."""
+    _quiet()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import selzero_plugin.deepspeed  # noqa: F401 - registers the entry
+    import deepspeed
+
+    model = build_model()
+    kwargs: dict[str, Any] = {}
+    if client_optimizer:
+        kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    config = ds_config(stage, bf16, clip=clip, optimizer=not client_optimizer, world=world,
+                       entry=None if with_entry else False)
+    if client_optimizer:
+        config["zero_allow_untested_optimizer"] = True
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, **kwargs)
+    first = 0
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir, **({"selzero_fresh_start": True} if fresh_start else {}))
+        first = engine.global_steps
+    norms = []
+    for step in range(first, steps):
+        for micro in range(GAS):
+            if style == "boundary":  # DeepSpeed's documented manual pattern: step() once
+                engine.set_gradient_accumulation_boundary(micro == GAS - 1)
+            loss = ds_loss(engine, step * GAS + micro, rank, torch.bfloat16 if bf16 else None)
+            if style == "torch":  # DeepSpeed 0.19 accepts a plain loss.backward()
+                loss.backward()
+            else:
+                engine.backward(loss)
+            if style != "boundary" or micro == GAS - 1:
+                engine.step()
+        norm = engine.get_global_grad_norm()  # stock DeepSpeed at stage 0 fp32: None
+        norms.append(None if norm is None else float(norm))
+        if save_at is not None and step + 1 == save_at:
+            engine.save_checkpoint(save_dir)
+    if not with_entry:
+        return {"global_steps": engine.global_steps}
+    sz = engine.selzero
+    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    selected_ids = {id(e.param) for e in sz.entries}
+    ds_state = set(map(id, engine.basic_optimizer.state))
+    ds_groups = {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]}
+    return {"params": params, "norms": norms, "stage": stage,
+            "ds_state_on_selected": len(ds_state & selected_ids),
+            "ds_groups_hold_selected": len(ds_groups & selected_ids),
+            "ds_grad_numel": _ds_grad_numel(engine),
+            "selected_grads_left": [e.name for e in sz.entries if e.param.grad is not None],
+            "wrapper": type(engine.optimizer).__name__,
+            "state": sz.state.value, "global_steps": engine.global_steps}
+
+
+def _ds_grad_numel(engine: Any) -> int:
+    """Elements of DeepSpeed's gradient buffers (its flat groups at ZeRO-1/2, else .grad)."""
+    opt = engine.optimizer
+    groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None) \
+        or getattr(opt, "fp16_groups", None)
+    if groups is not None:
+        return sum(p.numel() for g in groups for p in g)
+    return sum(p.numel() for g in engine.basic_optimizer.param_groups for p in g["params"])
+
+
+def ds_loss(engine: Any, step: int, rank: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """``block_loss`` with the inputs cast to the engine's dtype (DeepSpeed does not cast)."""
+    if dtype is None:
+        return block_loss(engine, step, rank, layers=LAYERS)
+    x, y = block_batch(step, rank)
+    out = engine(x.to(dtype), block_routes(step, rank, layers=LAYERS))
+    return (out.float() - y).pow(2).mean()
+
+
+def reference(world: int, steps: int, *, clip: float = CLIP, first_model: Any = None
+              ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process: AdamW + clip_grad_norm_ on the mean over ranks and micro-batches."""
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(steps):
+        loss = sum(block_loss(model, step * GAS + m, r, layers=LAYERS)
+                   for m in range(GAS) for r in range(world)) / (GAS * world)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                           if clip > 0 else torch.nn.utils.get_total_norm(
+                               [p.grad for p in model.parameters() if p.grad is not None])))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms

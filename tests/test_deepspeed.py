@@ -1,0 +1,184 @@
+"""The DeepSpeed "selected_zero2" entry: real DeepSpeed 0.19.8, 2 gloo ranks on CPU.
+
+Ranks route to different experts (expert 2 of each block gets no token anywhere): stock
+DeepSpeed crashes at ZeRO-2 and trains wrong at ZeRO-1 on this (research/deepspeed-mechanics.md).
+With the entry, every stage and dtype matches one process running plain torch AdamW +
+clip_grad_norm_ over the global batch, and DeepSpeed's reported norm is the true global norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ._deepspeed import build_model, ds_config, reference, train_deepspeed
+from .dist_utils import all_values, run_ranks
+
+pytest.importorskip("deepspeed")
+
+ENV = {"DS_ACCELERATOR": "cpu"}
+STEPS = 6
+SELECTED_NUMEL = sum(p.numel() for n, p in build_model().named_parameters() if ".experts." in n)
+TOTAL_NUMEL = sum(p.numel() for p in build_model().parameters())
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(2, STEPS)
+
+
+def _check(runs, ref, *, bf16: bool) -> None:
+    ref_params, ref_norms = ref
+    init = build_model()
+    for rank, run in enumerate(runs):
+        params = run["params"]
+        tol = 1.5e-2 if bf16 else 1e-6
+        for name, value in ref_params.items():
+            assert torch.allclose(params[name], value, atol=tol, rtol=0), \
+                (rank, name, (params[name] - value).abs().max().item())
+        norm_tol = 2e-2 if bf16 else 1e-6
+        for got, want in zip(run["norms"], ref_norms):
+            assert abs(got - want) <= norm_tol * max(1.0, want), (rank, run["norms"], ref_norms)
+        for name, p in init.named_parameters():
+            if ".experts.2." in name:  # no rank routes to it: bit-identical
+                start = p.detach().bfloat16().float() if bf16 else p.detach()
+                assert torch.equal(params[name], start), (rank, name)
+        assert run["ds_state_on_selected"] == 0 and run["ds_groups_hold_selected"] == 0
+        assert run["selected_grads_left"] == []
+        assert run["ds_grad_numel"] == TOTAL_NUMEL - SELECTED_NUMEL, run["ds_grad_numel"]
+        assert run["state"] == "idle"
+    assert torch.equal(runs[0]["params"]["blocks.0.experts.0.w1.weight"],
+                       runs[1]["params"]["blocks.0.experts.0.w1.weight"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_parity_with_one_process_torch(stage, bf16, ref):
+    runs = all_values(run_ranks(train_deepspeed, 2, stage, bf16, steps=STEPS, timeout=240,
+                                env=ENV))
+    _check(runs, ref, bf16=bf16)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_client_optimizer_object(stage, ref):
+    runs = all_values(run_ranks(train_deepspeed, 2, stage, False, steps=STEPS,
+                                client_optimizer=True, timeout=240, env=ENV))
+    _check(runs, ref, bf16=False)
+
+
+def test_no_clipping_reports_the_true_norm():
+    ref_params, ref_norms = reference(2, 3, clip=0.0)
+    runs = all_values(run_ranks(train_deepspeed, 2, 0, False, steps=3, clip=0.0, timeout=240,
+                                env=ENV))
+    for run in runs:
+        assert max(abs(a - b) for a, b in zip(run["norms"], ref_norms)) < 1e-6
+        for name, value in ref_params.items():
+            assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
+
+
+@pytest.mark.parametrize("style", ["torch", "boundary"])
+def test_plain_backward_and_manual_boundary(style, ref):
+    """``loss.backward()`` (micro-steps end in engine.step) and DeepSpeed's manual pattern
+    (``set_gradient_accumulation_boundary``, one step(): micro-steps end in engine.backward)."""
+    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=STEPS, style=style,
+                                timeout=240, env=ENV))
+    _check(runs, ref, bf16=False)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_resume_from_engine_checkpoint(tmp_path, bf16):
+    """Save at step 3 through engine.save_checkpoint, resume in fresh processes through
+    engine.load_checkpoint (tag from `latest`), train on: the same as never stopping."""
+    import json
+    import subprocess
+    import sys
+
+    full = all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=STEPS, timeout=240, env=ENV))
+    all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=3, save_at=3,
+                         save_dir=str(tmp_path), timeout=240, env=ENV))
+    root = tmp_path / "global_step3" / "selected_zero2"
+    assert (tmp_path / "latest").read_text().strip() == "global_step3"
+    index = json.loads((root / "index.json").read_text())
+    assert index == {"format": 1, "instances": [{"name": "selected_zero2", "ranks": [0, 1]}]}
+    assert sorted(p.name for p in (root / "selected_zero2").iterdir()) == [
+        "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    resumed = all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=STEPS,
+                                   load_dir=str(tmp_path), timeout=240, env=ENV))
+    for a, b in zip(full, resumed):
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), name
+        assert a["norms"][3:] == b["norms"]
+    # the offline tools read the folder
+    cli = [sys.executable, "-m", "selzero_plugin.cli"]
+    out = subprocess.run(cli + ["inspect", str(root / "selected_zero2"), "--verify"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run(cli + ["reshard", str(root / "selected_zero2"), "--world-size", "3",
+                                "--out", str(tmp_path / "r3")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "r3" / "shard-00002-of-00003.safetensors").is_file()
+
+
+def test_checkpoint_saved_without_the_entry(tmp_path):
+    """Loading a DeepSpeed checkpoint that has no selzero folder: the same CheckpointError on
+    every rank, naming the fix; with selzero_fresh_start=True the subset starts fresh."""
+    from .dist_utils import all_errors
+
+    all_values(run_ranks(train_deepspeed, 2, 0, False, steps=1, save_at=1, with_entry=False,
+                         save_dir=str(tmp_path), timeout=240, env=ENV))
+    errors = all_errors(run_ranks(train_deepspeed, 2, 0, False, steps=2, load_dir=str(tmp_path),
+                                  timeout=240, env=ENV), "CheckpointError")
+    assert all("selzero_fresh_start=True" in e for e in errors), errors
+    runs = all_values(run_ranks(train_deepspeed, 2, 0, False, steps=2, load_dir=str(tmp_path),
+                                fresh_start=True, timeout=240, env=ENV))
+    assert [r["global_steps"] for r in runs] == [2, 2]
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"zero_optimization": {"stage": 3}}, "stage=3"),
+    ({"fp16": {"enabled": True}}, "Use bf16"),
+    ({"expert_parallel": {"enabled": True}}, "AutoEP"),
+    ({"selected_zero2": {"params": ["*.experts.*"], "bucket_mbb": 1}}, "bucket_mb"),
+    ({"selected_zero2": {"params": ["nothing.*"]}}, "select no parameter"),
+])
+def test_refused_at_initialize(change, expected):
+    import selzero_plugin.deepspeed as sd
+    from selzero_plugin.errors import SelZeroError
+
+    config = ds_config(2, False)
+    config.update(change)
+    with pytest.raises(SelZeroError, match=expected.replace("(", r"\(")):
+        if expected == "select no parameter":
+            run = run_ranks(_initialize_only, 2, config, timeout=120, env=ENV)
+            raise SelZeroError([o.error_message for o in run if o.error_message][0])
+        sd.initialize(model=build_model(), config=config)
+
+
+def _initialize_only(rank, world, config):
+    import os
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import selzero_plugin.deepspeed  # noqa: F401
+    import deepspeed
+
+    deepspeed.initialize(model=build_model(), config=config)
+
+
+def test_without_the_entry_nothing_changes():
+    """No "selected_zero2" block: deepspeed.initialize is called with exactly what it got."""
+    import deepspeed
+    import selzero_plugin.deepspeed as sd
+
+    assert deepspeed.initialize._selzero_wrapped
+    calls = []
+
+    def fake(args=None, model=None, optimizer=None, model_parameters=None, config=None,
+             config_params=None):
+        calls.append((model, optimizer, model_parameters, config))
+        return "engine"
+
+    config, model, params = ds_config(2, False, entry=False), build_model(), []
+    assert sd._initialize(fake, model=model, model_parameters=params, config=config) == "engine"
+    assert len(calls) == 1 and calls[0][0] is model and calls[0][2] is params \
+        and calls[0][3] is config
