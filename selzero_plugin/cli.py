@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     demo.add_argument("--out", default=None,
                       help="folder for the demo's checkpoint (default: a temporary folder)")
+    demo.add_argument("--host", default="ddp", choices=["ddp", "deepspeed"],
+                      help="the strategy for the other parameters: DDP (default) or DeepSpeed "
+                           "ZeRO-2 with the \"selected_zero2\" entry")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint folder; --verify checks it")
     inspect.add_argument("folder", help="a checkpoint folder (holds manifest.json)")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import launch
 
-        return launch(nproc=args.nproc, steps=args.steps, out=args.out)
+        return launch(nproc=args.nproc, steps=args.steps, out=args.out, host=args.host)
     if args.command in ("inspect", "reshard", "consolidate"):
         from .checkpoint import tools
 

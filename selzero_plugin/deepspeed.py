@@ -42,6 +42,7 @@ from torch import nn
 
 from .checkpoint import host as host_checkpoint
 from .config import SelZeroConfig
+from .core.report import StepResult
 from .core.selection import resolve_selection
 from .core.window import WindowState
 from .core.zero2 import SelectedZero2
@@ -50,7 +51,7 @@ from .errors import CheckpointError, ConfigError, SelectionError, UsageError
 __all__ = ["initialize", "register", "TESTED_VERSIONS", "ENTRY"]
 
 ENTRY = "selected_zero2"
-TESTED_VERSIONS = ("0.19.0", "0.20.0")  # [low, high): the range setup.cfg's extra declares
+TESTED_VERSIONS = ("0.19.8", "0.20.0")  # [low, high): the range setup.cfg's extra declares
 logger = logging.getLogger("selzero_plugin")
 
 # DeepSpeed internals the plugin wraps: (owner, attribute, parameters it must accept)
@@ -323,6 +324,7 @@ class _Plumbing:
             return  # not a boundary step of ours (should not happen)
         if bool(getattr(optimizer, "overflow", False)):
             sz.zero_grad()  # DeepSpeed skipped the step (every rank agrees): so does selzero
+            self.engine.selzero_step_result = StepResult(0, 0, 0, len(sz.layout.virtuals))
             return
         total = self.total_norm
         if total is None:
@@ -336,7 +338,7 @@ class _Plumbing:
             sz.scale_gradients_(total)  # handled like a non-finite gradient (nonfinite policy)
         lr = None if self.mirrors_host else self.engine.basic_optimizer.param_groups[0]["lr"]
         if sz.state is WindowState.REDUCED:
-            sz.step(lr=lr)
+            self.engine.selzero_step_result = sz.step(lr=lr)
 
 
 def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
@@ -399,6 +401,7 @@ def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
     _install_norm(engine, plumbing)
     _install_checkpoint(engine, plumbing)
     engine.selzero = sz
+    engine.selzero_step_result = None  # the StepResult of the last optimizer step
     return plumbing
 
 

@@ -27,6 +27,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from .core.zero2 import SelectedZero2
 __all__ = ["launch", "worker", "DemoMoE", "DemoConfig"]
 
 NUM_EXPERTS = 8
+HOSTS = ("ddp", "deepspeed")
 # Topic frequencies by rank parity: even ranks lean on topics 0-2, odd ones on 2-4; 5-6 are rare;
 # 7 never occurs.
 _TOPIC_WEIGHTS = {
@@ -50,7 +52,7 @@ _TOPIC_WEIGHTS = {
 # ---- launcher ---------------------------------------------------------------------------
 
 
-def launch(nproc: int, steps: int, out: str | None) -> int:
+def launch(nproc: int, steps: int, out: str | None, host: str = "ddp") -> int:
     """Run the demo on ``nproc`` local gloo processes; return 0 if every worker succeeded.
 
     torch's launcher runs in this process (one torch import saved); its workers get
@@ -60,11 +62,17 @@ def launch(nproc: int, steps: int, out: str | None) -> int:
         print(f"selzero demo: need --nproc >= 1 and --steps >= 2 (got {nproc}, {steps}).",
               file=sys.stderr)
         return 2
+    if host not in HOSTS:
+        print(f"selzero demo: --host {host!r}: expected one of {', '.join(HOSTS)}.",
+              file=sys.stderr)
+        return 2
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     saved_env = dict(os.environ)
     os.environ["OMP_NUM_THREADS"] = "1"
+    if host == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ info lines
     try:
         with tempfile.TemporaryDirectory(prefix="selzero-demo-") as tmp:
@@ -72,7 +80,8 @@ def launch(nproc: int, steps: int, out: str | None) -> int:
                 ["--out", os.path.join(tmp, "checkpoint"), "--temporary"]
             torchrun([f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1",
                       f"--master-port={_free_port()}", "--log-dir", os.path.join(tmp, "logs"),
-                      "-m", "selzero_plugin.demo", "--steps", str(steps), *where])
+                      "-m", "selzero_plugin.demo", "--steps", str(steps), "--host", host,
+                      *where])
         return 0
     except ChildFailedError:
         return 1  # torchrun has printed which rank failed; the worker printed its traceback
@@ -169,7 +178,39 @@ def _teacher(cfg: DemoConfig) -> dict[str, torch.Tensor]:
 # ---- the worker -------------------------------------------------------------------------
 
 
-def worker(steps: int, out: str, *, temporary: bool = False) -> None:
+def _deepspeed_engine(model: nn.Module, sz_config: SelZeroConfig, cfg: DemoConfig) -> Any:
+    """DeepSpeed ZeRO-2 (fp32, torch AdamW) with the "selected_zero2" entry."""
+    import logging
+
+    import selzero_plugin.deepspeed  # noqa: F401 - registers the entry
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines at initialize
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.tokens, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+                                                  "torch_adam": True}},
+        "selected_zero2": sz_config.to_dict(),
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    return engine
+
+
+def _optimizer_bytes(engine: Any) -> int:
+    """Bytes of DeepSpeed's own optimizer state on this rank (its AdamW moments and steps over
+    the partitions it owns), from live storages."""
+    seen: set[int] = set()
+    total = 0
+    for state in engine.basic_optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def worker(steps: int, out: str, *, temporary: bool = False, host: str = "ddp") -> None:
     """One rank of the demo (started by torchrun: RANK, WORLD_SIZE, MASTER_* are set)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -180,27 +221,42 @@ def worker(steps: int, out: str, *, temporary: bool = False) -> None:
         model = DemoMoE(cfg)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         sz_config = SelZeroConfig(params=["layers.*.experts.*"])
-        sz = SelectedZero2(model, sz_config, torch.optim.AdamW,
-                           {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
-        ddp = wrap_ddp(model, sz)
-        selected = {id(e.param) for e in sz.entries}
-        host_opt = torch.optim.AdamW([p for p in model.parameters() if id(p) not in selected],
-                                     lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if host == "deepspeed":
+            engine = _deepspeed_engine(model, sz_config, cfg)
+            sz = engine.selzero
+        else:
+            sz = SelectedZero2(model, sz_config, torch.optim.AdamW,
+                               {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
+            ddp = wrap_ddp(model, sz)
+            selected = {id(e.param) for e in sz.entries}
+            host_opt = torch.optim.AdamW([p for p in model.parameters() if id(p) not in selected],
+                                         lr=cfg.lr, weight_decay=cfg.weight_decay)
         teacher = _teacher(cfg)
         losses = torch.zeros(steps, dtype=torch.float64)
         skipped = updated = 0
         started = time.perf_counter()
         for step in range(steps):
             x, y, topics = _batch(step, rank, cfg, teacher)
-            loss = (ddp(x, topics) - y).pow(2).mean()
-            loss.backward()
-            host_opt.step()
-            result = sz.step()
-            host_opt.zero_grad(set_to_none=True)
+            if host == "deepspeed":
+                loss = (engine(x, topics) - y).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                result = engine.selzero_step_result
+            else:
+                loss = (ddp(x, topics) - y).pow(2).mean()
+                loss.backward()
+                host_opt.step()
+                result = sz.step()
+                host_opt.zero_grad(set_to_none=True)
             losses[step] = loss.item()
             skipped += result.skipped_absent
             updated += result.updated
         train_s = time.perf_counter() - started
+        host_bytes = None
+        if host == "deepspeed":
+            mine_ds = torch.tensor([_optimizer_bytes(engine)], dtype=torch.int64)
+            host_bytes = [torch.zeros_like(mine_ds) for _ in range(world)]
+            dist.all_gather(host_bytes, mine_ds)
 
         dist.all_reduce(losses)
         losses /= world
@@ -213,11 +269,18 @@ def worker(steps: int, out: str, *, temporary: bool = False) -> None:
         dead = [n for n in initial if ".experts.7." in n]
         dead_untouched = all(torch.equal(initial[n], p) for n, p in model.named_parameters()
                              if n in dead)
-        checkpoint_lines = _checkpoint_round_trip(sz, sz_config, cfg, model, out, temporary)
+        if host == "deepspeed":
+            engine.save_checkpoint(out, tag="demo")
+            folder = Path(out) / "demo" / "selected_zero2" / sz_config.name
+        else:
+            folder = Path(out) / sz_config.name
+            sz.save_checkpoint(str(folder))
+        checkpoint_lines = _checkpoint_round_trip(sz, sz_config, cfg, model, folder, temporary)
 
         if rank == 0:
             expert_params = [e.param for e in sz.trainable]
-            _print_table(world=world, steps=steps, cfg=cfg, per_rank=per_rank,
+            _print_table(world=world, steps=steps, cfg=cfg, per_rank=per_rank, host=host,
+                         host_bytes=host_bytes,
                          expert_params=expert_params, losses=losses, skipped=skipped,
                          updated=updated, dead_untouched=dead_untouched,
                          replicas_agree=replicas_agree, train_s=train_s,
@@ -251,14 +314,13 @@ def _replicas_agree(model) -> bool:
 
 
 def _checkpoint_round_trip(sz: SelectedZero2, sz_config: SelZeroConfig, cfg: DemoConfig,
-                           model: nn.Module, out: str, temporary: bool) -> list[str]:
-    """Save selzero's state, reload it into a fresh instance, check weights and state match.
+                           model: nn.Module, folder: Path, temporary: bool) -> list[str]:
+    """Reload selzero's saved state (``folder``) into a fresh instance, check weights and state
+    match.
 
     Called last: ``sz`` is detached from the model before the fresh instance is built, so only
     one live instance carries the config's name.
     """
-    folder = Path(out) / sz_config.name
-    sz.save_checkpoint(str(folder))
     sz.remove_hooks()
     torch.manual_seed(1)  # different initial weights, so a match proves the load
     fresh_model = DemoMoE(cfg)
@@ -299,7 +361,8 @@ def _kib(n: int) -> str:
 
 def _print_table(*, world: int, steps: int, cfg: DemoConfig, per_rank, expert_params, losses,
                  skipped: int, updated: int, dead_untouched: bool, replicas_agree: bool,
-                 train_s: float, checkpoint_lines: list[str]) -> None:
+                 train_s: float, checkpoint_lines: list[str], host: str = "ddp",
+                 host_bytes: list | None = None) -> None:
     numel = sum(p.numel() for p in expert_params)
     # DDP + AdamW hold, for every expert parameter on every rank: the full FP32 gradient, exp_avg
     # and exp_avg_sq of the same size, and a one-element step tensor.
@@ -309,14 +372,16 @@ def _print_table(*, world: int, steps: int, cfg: DemoConfig, per_rank, expert_pa
         f"selzero demo: {world} processes (gloo), {cfg.layers} MoE layers x {NUM_EXPERTS} experts, "
         f"top-1 routing, AdamW, {steps} steps",
         f"expert parameters (selzero): {numel:,} in {len(expert_params)} tensors; "
-        "everything else: DDP",
+        f"everything else: {'DeepSpeed ZeRO-2' if host == 'deepspeed' else 'DDP'}",
         "",
         "per-rank bytes of expert gradients + optimizer state",
-        f"  {'rank':<6}{'selzero':>14}{'DDP + AdamW':>16}{'ratio':>8}",
+        f"  {'rank':<6}{'selzero':>14}{'DDP + AdamW':>16}{'ratio':>8}"
+        + (f"{'DeepSpeed optimizer (non-experts)':>36}" if host_bytes is not None else ""),
     ]
     for r, t in enumerate(per_rank):
         held = int(t[0])
-        lines.append(f"  {r:<6}{_kib(held):>14}{_kib(ddp_bytes):>16}{held / ddp_bytes:>8.2f}")
+        lines.append(f"  {r:<6}{_kib(held):>14}{_kib(ddp_bytes):>16}{held / ddp_bytes:>8.2f}"
+                     + (f"{_kib(int(host_bytes[r][0])):>36}" if host_bytes is not None else ""))
     lines.append(f"  (selzero holds 1/{world} of each gradient and moment, and no state for an "
                  "expert not yet updated)")
     skipped_experts = skipped // per_expert
@@ -347,9 +412,10 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", required=True, help="folder for the demo's checkpoint")
     parser.add_argument("--temporary", action="store_true", help="--out is removed afterwards")
+    parser.add_argument("--host", default="ddp", choices=HOSTS)
     args = parser.parse_args(argv)
     _quiet()
-    worker(args.steps, args.out, temporary=args.temporary)
+    worker(args.steps, args.out, temporary=args.temporary, host=args.host)
     return 0
 
 

@@ -53,3 +53,24 @@ def test_cannot_run_demo_with_fewer_than_two_steps(capsys):
 
     assert launch(nproc=2, steps=1, out=None) == 2
     assert "--steps >= 2" in capsys.readouterr().err
+
+
+def test_demo_under_deepspeed_prints_the_same_report():
+    """`selzero demo --host deepspeed`: DeepSpeed ZeRO-2 with the "selected_zero2" entry."""
+    pytest.importorskip("deepspeed")
+    proc = _run_demo("--steps", "12", "--host", "deepspeed", timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+    assert not proc.stderr.strip(), proc.stderr
+    assert "everything else: DeepSpeed ZeRO-2" in out
+    rows = re.findall(r"^\s+(\d)\s+([\d,.]+) KiB\s+([\d,.]+) KiB\s+([\d.]+)\s+([\d,.]+) KiB$",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["0", "1"], out
+    for _, held, ddp, ratio, ds in rows:
+        assert 0.0 < float(ratio) <= 0.5 and float(ds.replace(",", "")) > 0, out
+    first, last = map(float, re.search(r"step 1: ([\d.]+)\s+step 12: ([\d.]+)", out).groups())
+    assert last < first, out
+    assert int(re.search(r"expert updates skipped .*?: (\d+) of", out).group(1)) > 0, out
+    assert "bit-identical to its start" in out
+    assert "replicas identical after training: yes" in out
+    assert "AdamW state match exactly" in out
