@@ -105,3 +105,46 @@ def test_deepspeed_launcher_runs_the_same(torchrun_run, tmp_path):
     assert result["losses"] == expected["losses"]
     assert result["rank_checksums"] == expected["rank_checksums"]
     assert all(torch.equal(weights[k], expected_weights[k]) for k in weights)
+
+
+GAS_ACC = 2
+
+
+def test_accelerate_deepspeed_path(tmp_path):
+    """`accelerate launch --use_deepspeed --deepspeed_config_file ...` starts on this CPU machine
+    (without ACCELERATE_USE_CPU, which turns it into plain DDP): Accelerate's own
+    deepspeed.initialize call picks the entry up; fp32 ZeRO-2 with a client optimizer and
+    clipping matches plain torch."""
+    from safetensors.torch import load_file
+
+    steps, seed, clip = 4, 5, 0.5
+    config = {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": GAS_ACC,
+              "gradient_clipping": clip, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
+              "selected_zero2": {"params": ["*.experts.*"]}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
+    proc = subprocess.run(
+        [launcher, "launch", "--use_deepspeed", "--deepspeed_config_file",
+         str(tmp_path / "ds.json"), "--num_processes", "2", "--main_process_port",
+         str(_free_port()), str(ROOT / "tests" / "_accelerate_deepspeed_script.py"),
+         str(tmp_path / "w.safetensors"), str(steps), str(seed)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    weights = load_file(tmp_path / "w.safetensors")
+    spec = importlib.util.spec_from_file_location("ddp_train", ROOT / "integrations/ddp/train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    model = train.build_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=train.LR, weight_decay=train.WEIGHT_DECAY)
+    for step in range(steps):
+        for micro in range(GAS_ACC):
+            per_rank = [train.loss_fn(model, *train.make_batch(seed, step * GAS_ACC + micro, r))
+                        for r in range(WORLD)]
+            (torch.stack(per_rank).mean() / GAS_ACC).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for k, v in model.state_dict().items():
+        assert torch.allclose(weights[k], v, atol=1e-6, rtol=0), (k, float((weights[k] - v).abs().max()))
