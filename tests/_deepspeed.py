@@ -149,3 +149,62 @@ def reference(world: int, steps: int, *, clip: float = CLIP, first_model: Any = 
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def _full_routes() -> list[torch.Tensor]:
+    """Every expert gets tokens on every rank: stock DeepSpeed ZeRO-2 runs at all."""
+    return [torch.arange(6) % 3 for _ in range(LAYERS)]
+
+
+def ds_optimizer_bytes(engine: Any) -> int:
+    """Bytes of DeepSpeed's optimizer-side tensors on this rank, from the live storages its
+    ZeRO optimizer holds: FP32 partitions, their gradient partitions, the averaged gradients,
+    and the basic optimizer's state (unique storages)."""
+    opt = engine.optimizer
+    tensors: list[torch.Tensor] = []
+    for t in getattr(opt, "single_partition_of_fp32_groups", []):
+        tensors.append(t)
+        if t.grad is not None:
+            tensors.append(t.grad)
+    for grads in (getattr(opt, "averaged_gradients", {}) or {}).values():
+        tensors.extend(g for g in (grads or []) if isinstance(g, torch.Tensor))
+    for state in engine.basic_optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def memory_run(rank: int, world: int, mode: str) -> dict[str, int]:
+    """Per-rank bytes after two steps and the third step's backward (gradient partitions and
+    optimizer state both alive). ``mode``: "entry" (the experts by selzero), "stock" (DeepSpeed
+    ZeRO-2 over the whole model), "dense" (the experts frozen: DeepSpeed without them)."""
+    _quiet()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import selzero_plugin.deepspeed  # noqa: F401
+    import deepspeed
+
+    model = build_model()
+    if mode == "dense":
+        for n, p in model.named_parameters():
+            if ".experts." in n:
+                p.requires_grad_(False)
+    config = ds_config(2, False, entry=None if mode == "entry" else False, world=world)
+    config["gradient_accumulation_steps"] = 1
+    config["train_batch_size"] = 6 * world
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    for step in range(3):
+        x, y = block_batch(step, rank)
+        loss = (engine(x, _full_routes()) - y).pow(2).mean()
+        engine.backward(loss)
+        if step == 2:
+            break
+        engine.step()
+    out = {"deepspeed": ds_optimizer_bytes(engine)}
+    if mode == "entry":
+        report = engine.selzero.memory_report()
+        out.update(selzero=report.total, selzero_ideal=report.ideal_total)
+    engine.step()
+    return out
