@@ -602,21 +602,40 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     trainable = [e for e in entries if not e.frozen]
     opt, opt_kwargs, mirrors = _subset_optimizer(engine, ds_config, client_groups, trainable)
-    # a client optimizer's group that held a selected parameter: mirror that group when it
-    # still exists (DeepSpeed drops groups that end up empty; those mirror group 0)
+    # A client optimizer's group that held a selected parameter is mirrored: its scheduled
+    # values are re-read at every step. DeepSpeed drops groups that end up empty (they held
+    # only selected parameters): those are mirrored with the values they had, unscheduled.
     inserted: list[tuple[dict[str, Any], Any]] = []
+    dropped: list[dict[str, Any]] = []
+    basic = engine.basic_optimizer
+    live = len(basic.param_groups)
     if mirrors and client_groups:
-        live = {id(g): g for g in engine.basic_optimizer.param_groups}
+        live_ids = {id(g) for g in basic.param_groups}
         for e in trainable:
             group = client_groups.get(id(e.param))
-            if group is not None and id(group) in live:
-                group["params"].append(e.param)
-                inserted.append((group, e.param))
+            if group is None:
+                continue
+            if id(group) not in live_ids and all(group is not d for d in dropped):
+                dropped.append(group)
+            group["params"].append(e.param)
+            inserted.append((group, e.param))
+        basic.param_groups.extend(dropped)  # for the mirror plan only, removed below
     try:
         sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs)
     finally:
+        del basic.param_groups[live:]
         for group, p in inserted:
             group["params"] = [q for q in group["params"] if q is not p]
+    for plan in sz.segment_optimizer.plans:
+        if plan.host_group is not None and plan.host_group >= live:
+            plan.host_group = None  # a dropped group: its values stay as they were
+    if dropped:
+        logger.warning(
+            "selzero: %d group(s) of the client optimizer held only selected parameters; "
+            "DeepSpeed drops such groups, so an lr scheduler does not move them: selzero keeps "
+            "their hyperparameters as given (lr %s). To schedule them, put the selected "
+            "parameters in a group that also holds DeepSpeed's parameters.",
+            len(dropped), [g.get("lr") for g in dropped])
     if snapshot is not None:
         sz.sync_from_params(snapshot, broadcast=sz_config.broadcast)
         del snapshot

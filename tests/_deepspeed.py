@@ -72,7 +72,8 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     model = build_model()
     kwargs: dict[str, Any] = {}
     if client_optimizer:
-        kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        kwargs["optimizer"] = torch.optim.AdamW(client_groups(model, client_optimizer), lr=LR,
+                                                weight_decay=WD)
     config = ds_config(stage, bf16, clip=clip, optimizer=not client_optimizer, world=world,
                        entry=None if with_entry else False)
     if client_optimizer:
@@ -124,6 +125,22 @@ def _ds_grad_numel(engine: Any) -> int:
     return sum(p.numel() for g in engine.basic_optimizer.param_groups for p in g["params"])
 
 
+def client_groups(model: torch.nn.Module, kind: Any) -> Any:
+    """Parameter groups of a client optimizer. ``True``: one group. "experts_group": the
+    experts alone in a group of their own (DeepSpeed drops it once they are taken out);
+    "mixed_groups": blocks.0's experts and the input layer in a second group."""
+    if kind is True:
+        return list(model.parameters())
+    named = list(model.named_parameters())
+    if kind == "experts_group":
+        second = [p for n, p in named if ".experts." in n]
+    else:
+        second = [p for n, p in named if n.startswith(("blocks.0.experts.", "inp."))]
+    ids = {id(p) for p in second}
+    return [{"params": [p for _, p in named if id(p) not in ids]},
+            {"params": second, "lr": LR / 3, "weight_decay": 0.0}]
+
+
 def ds_loss(engine: Any, step: int, rank: int, dtype: torch.dtype | None) -> torch.Tensor:
     """``block_loss`` with the inputs cast to the engine's dtype (DeepSpeed does not cast)."""
     if dtype is None:
@@ -133,11 +150,11 @@ def ds_loss(engine: Any, step: int, rank: int, dtype: torch.dtype | None) -> tor
     return (out.float() - y).pow(2).mean()
 
 
-def reference(world: int, steps: int, *, clip: float = CLIP, first_model: Any = None
+def reference(world: int, steps: int, *, clip: float = CLIP, groups: Any = True
               ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: AdamW + clip_grad_norm_ on the mean over ranks and micro-batches."""
     model = build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(client_groups(model, groups), lr=LR, weight_decay=WD)
     norms = []
     for step in range(steps):
         loss = sum(block_loss(model, step * GAS + m, r, layers=LAYERS)

@@ -66,6 +66,19 @@ def test_client_optimizer_object(stage, ref):
     _check(runs, ref, bf16=False)
 
 
+@pytest.mark.parametrize("groups", ["experts_group", "mixed_groups"])
+def test_client_optimizer_groups(groups):
+    """A client optimizer whose groups give the experts another lr and no weight decay: each
+    selected parameter follows the group that held it, also when DeepSpeed drops that group
+    because it held only experts."""
+    ref = reference(2, 4, groups=groups)
+    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=4, client_optimizer=groups,
+                                timeout=240, env=ENV))
+    for run in runs:
+        for name, value in ref[0].items():
+            assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
+
+
 def test_no_clipping_reports_the_true_norm():
     ref_params, ref_norms = reference(2, 3, clip=0.0)
     runs = all_values(run_ranks(train_deepspeed, 2, 0, False, steps=3, clip=0.0, timeout=240,
