@@ -62,7 +62,8 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
                     client_optimizer: bool = False, clip: float = CLIP,
                     save_at: int | None = None, save_dir: str | None = None,
                     load_dir: str | None = None, style: str = "engine",
-                    with_entry: bool = True, fresh_start: bool = False) -> dict[str, Any]:
+                    with_entry: bool = True, fresh_start: bool = False,
+                    scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; return parameters (fp32), reported norms, DS state."""
     _quiet()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -78,13 +79,16 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
                        entry=None if with_entry else False)
     if client_optimizer:
         config["zero_allow_untested_optimizer"] = True
+    if scheduler is not None:
+        config["scheduler"] = scheduler
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, **kwargs)
     first = 0
     if load_dir is not None:
         engine.load_checkpoint(load_dir, **({"selzero_fresh_start": True} if fresh_start else {}))
         first = engine.global_steps
-    norms = []
+    norms, lrs = [], []
     for step in range(first, steps):
+        lrs.append(engine.get_lr()[0])
         for micro in range(GAS):
             if style == "boundary":  # DeepSpeed's documented manual pattern: step() once
                 engine.set_gradient_accumulation_boundary(micro == GAS - 1)
@@ -106,7 +110,7 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     selected_ids = {id(e.param) for e in sz.entries}
     ds_state = set(map(id, engine.basic_optimizer.state))
     ds_groups = {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]}
-    return {"params": params, "norms": norms, "stage": stage,
+    return {"params": params, "norms": norms, "stage": stage, "lrs": lrs,
             "ds_state_on_selected": len(ds_state & selected_ids),
             "ds_groups_hold_selected": len(ds_groups & selected_ids),
             "ds_grad_numel": _ds_grad_numel(engine),
@@ -150,13 +154,17 @@ def ds_loss(engine: Any, step: int, rank: int, dtype: torch.dtype | None) -> tor
     return (out.float() - y).pow(2).mean()
 
 
-def reference(world: int, steps: int, *, clip: float = CLIP, groups: Any = True
-              ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process: AdamW + clip_grad_norm_ on the mean over ranks and micro-batches."""
+def reference(world: int, steps: int, *, clip: float = CLIP, groups: Any = True,
+              lrs: list[float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process: AdamW + clip_grad_norm_ on the mean over ranks and micro-batches (with
+    ``lrs``, step k runs at lr ``lrs[k]``)."""
     model = build_model()
     opt = torch.optim.AdamW(client_groups(model, groups), lr=LR, weight_decay=WD)
     norms = []
     for step in range(steps):
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[step]
         loss = sum(block_loss(model, step * GAS + m, r, layers=LAYERS)
                    for m in range(GAS) for r in range(world)) / (GAS * world)
         loss.backward()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._deepspeed import build_model, ds_config, reference, train_deepspeed
+from ._deepspeed import LR, build_model, ds_config, reference, train_deepspeed
 from .dist_utils import all_values, run_ranks
 
 pytest.importorskip("deepspeed")
@@ -74,6 +74,22 @@ def test_client_optimizer_groups(groups):
     ref = reference(2, 4, groups=groups)
     runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=4, client_optimizer=groups,
                                 timeout=240, env=ENV))
+    for run in runs:
+        for name, value in ref[0].items():
+            assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
+
+
+def test_lr_schedule_from_the_config():
+    """DeepSpeed's WarmupDecayLR moves the experts' lr exactly as DeepSpeed's own: the subset
+    steps with the lr DeepSpeed used for that step (before its scheduler moves on)."""
+    scheduler = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                     "warmup_num_steps": 2, "total_num_steps": 5,
+                                                     "warmup_type": "linear"}}
+    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=5, scheduler=scheduler,
+                                timeout=240, env=ENV))
+    lrs = runs[0]["lrs"]
+    assert len(set(lrs)) >= 3, lrs  # the schedule moved
+    ref = reference(2, 5, lrs=lrs)
     for run in runs:
         for name, value in ref[0].items():
             assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
