@@ -213,6 +213,10 @@ def _entry_config(block: Any) -> SelZeroConfig:
         raise ConfigError("\"selected_zero2\": 'params' is required (e.g. \"params\": "
                           "[\"*.experts.*\"]).")
     block.setdefault("params", [])
+    # DeepSpeed decides whether a step with a non-finite norm is skipped (the subset's norm is
+    # part of DeepSpeed's): selzero follows it and, where DeepSpeed steps anyway, skips its own
+    # update instead of raising (set "nonfinite": "error" to raise on every rank instead)
+    block.setdefault("nonfinite", "skip")
     return SelZeroConfig.from_dict(block)
 
 
@@ -265,23 +269,32 @@ def _subset_optimizer(engine: Any, ds_config: dict[str, Any], client_groups: dic
     basic = engine.basic_optimizer
     if type(basic).__module__.startswith("torch.optim"):
         return basic, {}, True
-    block = ds_config.get("optimizer") or {}
-    name = str(block.get("type", "")).lower()
-    params = dict(block.get("params") or {})
-    adam_w_mode = params.pop("adam_w_mode", True)
-    for key in ("torch_adam", "fp32_optimizer_states", "bias_correction", "set_grad_none"):
-        params.pop(key, None)
-    if name in ("adam", "adamw", "fusedadam", "cpuadam"):
-        cls = torch.optim.AdamW if (name == "adamw" or adam_w_mode) else torch.optim.Adam
-    elif name and hasattr(torch.optim, block.get("type", "")):
-        cls = getattr(torch.optim, block["type"])
-    else:
-        raise ConfigError(
-            f"selected_zero2: DeepSpeed's optimizer {type(basic).__name__} (config type "
-            f"{block.get('type')!r}) has no torch.optim equivalent selzero can run on the "
-            "subset. Use an elementwise optimizer (Adam, AdamW, SGD, Adagrad, ...) or pass a "
-            "torch.optim client optimizer.")
-    return cls, params, False
+    # DeepSpeed's Adam kernels (FusedAdam, DeepSpeedCPUAdam): the same algorithm in torch, with
+    # the hyperparameters DeepSpeed resolved (its defaults, not torch's: FusedAdam's
+    # weight_decay is 0, torch AdamW's 0.01), read from its first group
+    name = type(basic).__name__
+    group = basic.param_groups[0] if basic.param_groups else dict(basic.defaults)
+    if "Adam" in name and "Lamb" not in name:
+        if not group.get("bias_correction", True):
+            raise ConfigError(
+                f"selected_zero2: DeepSpeed's {name} runs with bias_correction=false, which no "
+                "torch optimizer does; drop bias_correction from the optimizer block, or use "
+                "\"torch_adam\": true.")
+        if group.get("amsgrad", False):
+            raise ConfigError(f"selected_zero2: DeepSpeed's {name} with amsgrad: use "
+                              "\"torch_adam\": true instead.")
+        w_mode = getattr(basic, "adam_w_mode", getattr(basic, "adamw_mode", True))
+        cls = torch.optim.AdamW if w_mode else torch.optim.Adam
+        kwargs = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+        if isinstance(kwargs.get("betas"), list):
+            kwargs["betas"] = tuple(kwargs["betas"])
+        return cls, kwargs, False
+    raise ConfigError(
+        f"selected_zero2: DeepSpeed's optimizer {name} (config type "
+        f"{(ds_config.get('optimizer') or {}).get('type')!r}) has no torch.optim equivalent "
+        "selzero can run on the subset. Use an elementwise torch optimizer: a config type "
+        "torch provides (Adam/AdamW with \"torch_adam\": true, SGD, Adagrad, ...) or a "
+        "torch.optim client optimizer.")
 
 
 class _Plumbing:
@@ -293,6 +306,7 @@ class _Plumbing:
         self.mirrors_host = mirrors_host
         self.pending_sq: torch.Tensor | None = None  # the subset's squared norm, this step
         self.total_norm: float | None = None  # the global norm DeepSpeed clipped with
+        self.norm_in_host = False  # the subset's norm went into DeepSpeed's own computation
 
     # ---- micro-steps ---------------------------------------------------------------------
 
@@ -315,6 +329,7 @@ class _Plumbing:
             sz.reduce_gradients()
         self.pending_sq = sz.grad_norm_squared().detach().float()
         self.total_norm = None
+        self.norm_in_host = False
 
     # ---- after DeepSpeed's optimizer decided ---------------------------------------------
 
@@ -442,6 +457,7 @@ def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
             non_expert, expert = out
             extra = plumbing.pending_sq.sqrt().reshape(1).to(
                 non_expert[0].device if non_expert else plumbing.pending_sq.device)
+            plumbing.norm_in_host = True  # DeepSpeed's own _global_grad_norm includes it
             return list(non_expert) + [extra], expert
 
         optimizer.get_grads_for_norm = get_grads_for_norm
@@ -486,6 +502,8 @@ def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
                 grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
                 host_sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
                 combined(host_sq.sqrt(), 1.0)
+            elif plumbing.total_norm is None and plumbing.norm_in_host:
+                plumbing.total_norm = float(optimizer._global_grad_norm)
             elif plumbing.total_norm is None and getattr(optimizer, "_global_grad_norm", None) \
                     is not None:  # a wrapper that did not clip this step: combine its norm
                 combined(torch.as_tensor(float(optimizer._global_grad_norm)), 1.0)
@@ -541,13 +559,16 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
         load_path, client_state = orig_load(load_dir, tag, **options)
         if load_path is None:
             return load_path, client_state
-        if module_only or fresh:
+        if fresh or (module_only and not host_checkpoint.has_folder(folder)):
             if fresh:
                 logger.warning("selzero: %s has no %s/ folder; loaded the weights, the "
                                "optimizers start fresh.", folder, host_checkpoint.FOLDER)
             sz.sync_from_params()  # the module's weights, fresh subset state
+            sz.optimizer.state.clear()
         else:
-            host_checkpoint.load_from(folder, [sz])
+            host_checkpoint.load_from(folder, [sz])  # FP32 values (masters) and state
+            if module_only or not options.get("load_optimizer_states", True):
+                sz.optimizer.state.clear()  # like DeepSpeed's: weights only, fresh state
         return load_path, client_state
 
     engine.save_checkpoint = save_checkpoint
@@ -581,9 +602,11 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                              "the names with `selzero plan` or model.named_parameters().")
     selected = {id(e.param) for e in entries}
     bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
-    # FP32 values before DeepSpeed casts the module (masters), cloned: the cast may reuse storage
+    # FP32 values before DeepSpeed casts the module (masters) and before its broadcast from
+    # rank 0 (with "broadcast": false each rank keeps its own values, e.g. expert-parallel
+    # shards); cloned: the cast may reuse storage
     snapshot = {e.name: e.param.detach().float().clone() for e in entries if not e.frozen} \
-        if bf16 else None
+        if bf16 or not sz_config.broadcast else None
 
     call = dict(bound.arguments)
     call["model_parameters"] = _filter_parameters(call.get("model_parameters"), model, selected)
@@ -620,6 +643,10 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             group["params"].append(e.param)
             inserted.append((group, e.param))
         basic.param_groups.extend(dropped)  # for the mirror plan only, removed below
+    if snapshot is not None and not sz_config.broadcast:
+        with torch.no_grad():  # undo DeepSpeed's broadcast of the selected parameters
+            for e in trainable:
+                e.param.data.copy_(snapshot[e.name].view_as(e.param))
     try:
         sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs)
     finally:

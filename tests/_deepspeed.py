@@ -63,7 +63,9 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
                     save_at: int | None = None, save_dir: str | None = None,
                     load_dir: str | None = None, style: str = "engine",
                     with_entry: bool = True, fresh_start: bool = False,
-                    scheduler: dict[str, Any] | None = None) -> dict[str, Any]:
+                    scheduler: dict[str, Any] | None = None,
+                    config_changes: dict[str, Any] | None = None,
+                    load_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; return parameters (fp32), reported norms, DS state."""
     _quiet()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -81,10 +83,12 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
         config["zero_allow_untested_optimizer"] = True
     if scheduler is not None:
         config["scheduler"] = scheduler
+    config.update(config_changes or {})
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, **kwargs)
     first = 0
     if load_dir is not None:
-        engine.load_checkpoint(load_dir, **({"selzero_fresh_start": True} if fresh_start else {}))
+        engine.load_checkpoint(load_dir, **({"selzero_fresh_start": True} if fresh_start else {}),
+                               **(load_options or {}))
         first = engine.global_steps
     norms, lrs = [], []
     for step in range(first, steps):
@@ -110,7 +114,12 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     selected_ids = {id(e.param) for e in sz.entries}
     ds_state = set(map(id, engine.basic_optimizer.state))
     ds_groups = {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]}
+    steps_taken = sorted({float(st["step"]) for st in sz.optimizer.state.values()})
     return {"params": params, "norms": norms, "stage": stage, "lrs": lrs,
+            "selzero_steps": steps_taken,
+            "subset_hyper": [{k: g[k] for k in ("lr", "weight_decay")}
+                             for g in sz.optimizer.param_groups],
+            "subset_optimizer": type(sz.optimizer).__name__,
             "ds_state_on_selected": len(ds_state & selected_ids),
             "ds_groups_hold_selected": len(ds_groups & selected_ids),
             "ds_grad_numel": _ds_grad_numel(engine),
@@ -233,3 +242,34 @@ def memory_run(rank: int, world: int, mode: str) -> dict[str, int]:
         out.update(selzero=report.total, selzero_ideal=report.ideal_total)
     engine.step()
     return out
+
+
+def per_rank_values_run(rank: int, world: int, bf16: bool) -> dict[str, Any]:
+    """``"broadcast": false``: each rank's own selected values survive DeepSpeed's broadcast
+    (expert-parallel shards); the rest is rank 0's. Returns (kept, dense equal to rank 0's,
+    masters equal to the fp32 values)."""
+    _quiet()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import selzero_plugin.deepspeed  # noqa: F401
+    import deepspeed
+
+    model = build_model(seed=rank)  # every rank starts from other values
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rank0 = {n: p.detach().clone() for n, p in build_model(seed=0).named_parameters()}
+    config = ds_config(2, bf16, entry={"params": SELECT, "broadcast": False}, world=world)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    after = dict(engine.module.named_parameters())
+    cast = (lambda t: t.bfloat16().float()) if bf16 else (lambda t: t)
+    selected = [n for n in before if ".experts." in n]
+    kept = all(torch.equal(after[n].float(), cast(before[n])) for n in selected)
+    dense_rank0 = all(torch.equal(after[n].float(), cast(rank0[n])) for n in before
+                      if n not in selected)
+    sz = engine.selzero
+    masters_exact = True
+    for i, seg in enumerate(sz.segments):
+        slot = sz.slots[i]
+        entry = sz.storage.entry_of(slot)
+        start = sz.layout.virtuals[slot.virtual].chunk_start(sz.rank)
+        want = before[entry.name].reshape(-1)[start:start + slot.numel]
+        masters_exact = masters_exact and torch.equal(seg.detach(), want)
+    return {"kept": kept, "dense_rank0": dense_rank0, "masters_exact": masters_exact}

@@ -95,6 +95,48 @@ def test_lr_schedule_from_the_config():
             assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
 
 
+def test_bf16_optimizer_path_reports_the_true_norm(ref):
+    """ZeRO-1 + bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer: the
+    subset's norm goes into DeepSpeed's norm once (reported and clipped with)."""
+    runs = all_values(run_ranks(train_deepspeed, 2, 1, True, steps=STEPS, timeout=240, env=ENV,
+                                config_changes={"data_types": {"grad_accum_dtype": "fp32"}}))
+    assert {r["wrapper"] for r in runs} == {"BF16_Optimizer"}
+    _check(runs, ref, bf16=True)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_broadcast_false_keeps_per_rank_values(bf16):
+    from ._deepspeed import per_rank_values_run
+
+    for run in all_values(run_ranks(per_rank_values_run, 2, bf16, timeout=240, env=ENV)):
+        assert run == {"kept": True, "dense_rank0": True, "masters_exact": True}, run
+
+
+def test_deepspeed_fused_adam_defaults(ref):
+    """Config "Adam" without torch_adam builds DeepSpeed's FusedAdam (weight_decay 0 by
+    default, AdamW mode): the subset runs torch AdamW with DeepSpeed's resolved values."""
+    block = {"type": "Adam", "params": {"lr": LR}}
+    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=3, timeout=400, env=ENV,
+                                config_changes={"optimizer": block}))
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    from ._deepspeed import CLIP, GAS, LAYERS
+    from ._blocks import block_loss
+    for step in range(3):
+        loss = sum(block_loss(model, step * GAS + m, r, layers=LAYERS)
+                   for m in range(GAS) for r in range(2)) / (GAS * 2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for run in runs:
+        assert run["subset_optimizer"] == "AdamW"
+        assert run["subset_hyper"] == [{"lr": LR, "weight_decay": 0.0}]
+        for name, value in model.named_parameters():
+            # FusedAdam's CPU kernel differs from torch's in the last bits (dense: ~5e-6)
+            assert torch.allclose(run["params"][name], value.detach(), atol=2e-5, rtol=0), name
+
+
 def test_no_clipping_reports_the_true_norm():
     ref_params, ref_norms = reference(2, 3, clip=0.0)
     runs = all_values(run_ranks(train_deepspeed, 2, 0, False, steps=3, clip=0.0, timeout=240,
@@ -147,6 +189,17 @@ def test_resume_from_engine_checkpoint(tmp_path, bf16):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "r3" / "shard-00002-of-00003.safetensors").is_file()
+
+
+def test_load_without_optimizer_states(tmp_path):
+    """load_optimizer_states=False: DeepSpeed's state and selzero's both start fresh (the
+    subset's FP32 values still come from the checkpoint)."""
+    all_values(run_ranks(train_deepspeed, 2, 2, False, steps=3, save_at=3,
+                         save_dir=str(tmp_path), timeout=240, env=ENV))
+    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=4, load_dir=str(tmp_path),
+                                load_options={"load_optimizer_states": False}, timeout=240,
+                                env=ENV))
+    assert all(r["selzero_steps"] == [1.0] for r in runs), [r["selzero_steps"] for r in runs]
 
 
 def test_checkpoint_saved_without_the_entry(tmp_path):
