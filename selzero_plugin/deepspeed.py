@@ -28,6 +28,7 @@ DeepSpeed's vocabulary maps onto the core's phases:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import json
@@ -196,19 +197,24 @@ def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> Non
             "per tensor-parallel rank. Drop the entry or the model parallelism.")
 
 
-def _entry_config(block: Any) -> SelZeroConfig:
+def _entry_config(block: Any) -> tuple[SelZeroConfig, int | None]:
+    """(the selzero config, the expert-parallel size or None for "group": "world")."""
     if not isinstance(block, dict):
         raise ConfigError(f"\"selected_zero2\": expected an object of selzero fields, got "
                           f"{block!r}; e.g. {{\"params\": [\"*.experts.*\"]}}.")
     block = dict(block)
     group = block.pop("group", "world")
+    ep: int | None = None
     if group != "world":
-        if isinstance(group, dict) and set(group) == {"expert_parallel_size"}:
-            raise ConfigError(
-                f"\"selected_zero2\": group={group!r}: expert-parallel groups are not available "
-                "in this version of selzero_plugin yet; use \"group\": \"world\" (the default).")
-        raise ConfigError(f"\"selected_zero2\": group={group!r}: expected \"world\" or "
-                          "{\"expert_parallel_size\": E}.")
+        size = group.get("expert_parallel_size") if isinstance(group, dict) else None
+        if not isinstance(group, dict) or set(group) != {"expert_parallel_size"} or \
+                isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"\"selected_zero2\": group={group!r}: expected \"world\" or "
+                              "{\"expert_parallel_size\": E} with E a positive integer.")
+        ep = size
+        # expert gradients arrive summed over the expert-parallel ranks: the DDP-equivalent
+        # mean divides by the data-parallel world
+        block.setdefault("normalize_over", "world")
     if "params" not in block and "modules" not in block:
         raise ConfigError("\"selected_zero2\": 'params' is required (e.g. \"params\": "
                           "[\"*.experts.*\"]).")
@@ -217,7 +223,30 @@ def _entry_config(block: Any) -> SelZeroConfig:
     # part of DeepSpeed's): selzero follows it and, where DeepSpeed steps anyway, skips its own
     # update instead of raising (set "nonfinite": "error" to raise on every rank instead)
     block.setdefault("nonfinite", "skip")
-    return SelZeroConfig.from_dict(block)
+    return SelZeroConfig.from_dict(block), ep
+
+
+def _expert_groups(ep: int, name: str) -> tuple[Any, str, list[dict[str, Any]]]:
+    """DeepSpeed's layout (deepspeed/utils/groups.py): expert-parallel groups are blocks of
+    ``ep`` consecutive ranks, so rank r holds the experts of position r % ep, replicated on the
+    expert-data-parallel group {r % ep, r % ep + ep, ...}. Every rank creates every group, in
+    order (a collective of the world). Returns (this rank's group, its instance name, every
+    instance for the checkpoint index)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % ep:
+        raise ConfigError(f"\"selected_zero2\": expert_parallel_size={ep} does not divide the "
+                          f"world size {world}; use a divisor of {world}.")
+    mine = None
+    listed = []
+    for k in range(ep):
+        ranks = list(range(k, world, ep))
+        group = dist.new_group(ranks)
+        listed.append({"name": f"{name}-ep{k}", "ranks": ranks})
+        if rank % ep == k:
+            mine = group
+    return mine, f"{name}-ep{rank % ep}", listed
 
 
 def _filter_parameters(model_parameters: Any, model: nn.Module, selected: set[int]) -> Any:
@@ -327,7 +356,12 @@ class _Plumbing:
                     "engine.step() at the accumulation boundary (mean needs no arguments and is "
                     "what DeepSpeed's averaging matches).")
             sz.reduce_gradients()
-        self.pending_sq = sz.grad_norm_squared().detach().float()
+        if sz.spans_world:
+            self.pending_sq = sz.grad_norm_squared().detach().float()
+        else:  # expert groups each hold their own experts: every element once over the world
+            sq = sz.local_grad_norm_squared().detach().float().reshape(1).clone()
+            sz.world_communicator().all_reduce(sq)
+            self.pending_sq = sq[0]
         self.total_norm = None
         self.norm_in_host = False
 
@@ -356,8 +390,10 @@ class _Plumbing:
             self.engine.selzero_step_result = sz.step(lr=lr)
 
 
-def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
+def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool,
+             index_instances: list[dict[str, Any]] | None = None) -> _Plumbing:
     plumbing = _Plumbing(engine, sz, mirrors_host)
+    plumbing.index_instances = index_instances
     selected = [e.param for e in sz.trainable]
 
     orig_backward = engine.backward
@@ -524,8 +560,10 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
     def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         host_checkpoint.save_into(os.path.join(save_dir, tag), [sz],
-                                  rank=torch.distributed.get_rank())
-        sz.comm.all_reduce(torch.zeros(1, device=sz.comm.device))  # every rank's part is done
+                                  rank=torch.distributed.get_rank(),
+                                  index_instances=plumbing.index_instances)
+        done = torch.zeros(1, device=sz.comm.device)
+        sz.world_communicator().all_reduce(done)  # every group's part is done, then DeepSpeed
         return orig_save(save_dir, tag, *args, **kwargs)
 
     @functools.wraps(orig_load)
@@ -581,7 +619,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     config = _read_config(raw)
     if config is None or ENTRY not in config:
         return original(*args, **kwargs)
-    sz_config = _entry_config(config[ENTRY])
+    sz_config, ep = _entry_config(config[ENTRY])
     ds_config = {k: v for k, v in config.items() if k != ENTRY}
     _refuse_unsupported(ds_config, bound.arguments)
     model = bound.arguments.get("model")
@@ -601,12 +639,16 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                              f"{list(sz_config.modules)} select no parameter of the model; check "
                              "the names with `selzero plan` or model.named_parameters().")
     selected = {id(e.param) for e in entries}
+    group, index_instances = None, None
+    if ep is not None:
+        group, name, index_instances = _expert_groups(ep, sz_config.name)
+        sz_config = dataclasses.replace(sz_config, name=name)
     bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
     # FP32 values before DeepSpeed casts the module (masters) and before its broadcast from
     # rank 0 (with "broadcast": false each rank keeps its own values, e.g. expert-parallel
     # shards); cloned: the cast may reuse storage
     snapshot = {e.name: e.param.detach().float().clone() for e in entries if not e.frozen} \
-        if bf16 or not sz_config.broadcast else None
+        if bf16 or not sz_config.broadcast or ep is not None else None
 
     call = dict(bound.arguments)
     call["model_parameters"] = _filter_parameters(call.get("model_parameters"), model, selected)
@@ -643,12 +685,12 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             group["params"].append(e.param)
             inserted.append((group, e.param))
         basic.param_groups.extend(dropped)  # for the mirror plan only, removed below
-    if snapshot is not None and not sz_config.broadcast:
+    if snapshot is not None and (not sz_config.broadcast or ep is not None):
         with torch.no_grad():  # undo DeepSpeed's broadcast of the selected parameters
             for e in trainable:
                 e.param.data.copy_(snapshot[e.name].view_as(e.param))
     try:
-        sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs)
+        sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs, group=group)
     finally:
         del basic.param_groups[live:]
         for group, p in inserted:
@@ -666,7 +708,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if snapshot is not None:
         sz.sync_from_params(snapshot, broadcast=sz_config.broadcast)
         del snapshot
-    _install(engine, sz, mirrors)
+    _install(engine, sz, mirrors, index_instances)
     return engine, optimizer, dataloader, scheduler
 
 

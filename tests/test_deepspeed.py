@@ -282,3 +282,33 @@ def test_memory_against_stock_deepspeed():
         total = entry["deepspeed"] + entry["selzero"]
         assert total < stock["deepspeed"], (rank, got)
     print("per-rank bytes:", got)
+
+
+def test_expert_parallel_groups(tmp_path):
+    """4 ranks, "group": {"expert_parallel_size": 2}: each rank keeps its own experts through
+    DeepSpeed's broadcast, selzero reduces them over the expert-data-parallel group {r % 2,
+    r % 2 + 2} and divides by the world; parity with one process holding every expert, the
+    true global norm, and a checkpoint index naming both instances."""
+    import json
+
+    from ._deepspeed_ep import ep_reference, ep_run, local_name
+
+    steps = 4
+    runs = all_values(run_ranks(ep_run, 4, steps, str(tmp_path), timeout=300, env=ENV))
+    ref, ref_norms = ep_reference(steps)
+    for rank, run in enumerate(runs):
+        assert run["name"] == f"selected_zero2-ep{rank % 2}"
+        assert run["group"] == [rank % 2, rank % 2 + 2] and run["normalize_over"] == "world"
+        for full, value in ref.items():
+            name = local_name(full, rank)
+            if name is not None:
+                assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), \
+                    (rank, name, float((run["params"][name] - value).abs().max()))
+        assert max(abs(a - b) for a, b in zip(run["norms"], ref_norms)) < 1e-6, \
+            (run["norms"], ref_norms)
+    index = json.loads((tmp_path / "ep" / "selected_zero2" / "index.json").read_text())
+    assert index["instances"] == [{"name": "selected_zero2-ep0", "ranks": [0, 2]},
+                                  {"name": "selected_zero2-ep1", "ranks": [1, 3]}]
+    for k in range(2):
+        assert (tmp_path / "ep" / "selected_zero2" / f"selected_zero2-ep{k}" /
+                "manifest.json").is_file()

@@ -33,17 +33,19 @@ def _check_names(instances: Sequence[SelectedZero2]) -> None:
 
 
 def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2], *,
-              rank: int) -> Path:
+              rank: int, index_instances: Sequence[dict] | None = None) -> Path:
     """Every rank calls it: each instance saves into ``<host_dir>/selected_zero2/<name>/``;
-    then ``rank`` 0 writes ``index.json``. Returns the selzero folder."""
+    then ``rank`` 0 writes ``index.json``, listing ``index_instances`` (every instance of the
+    job, ``{"name", "ranks"}``, when ranks hold different ones: expert parallelism) or this
+    rank's. Returns the selzero folder."""
     _check_names(instances)
     root = Path(host_dir) / FOLDER
     for sz in instances:
         sz.save_checkpoint(root / sz.config.name)
     if rank == 0:
-        index = {"format": INDEX_FORMAT,
-                 "instances": [{"name": sz.config.name, "ranks": list(sz.comm.global_ranks)}
-                               for sz in instances]}
+        listed = list(index_instances) if index_instances is not None else [
+            {"name": sz.config.name, "ranks": list(sz.comm.global_ranks)} for sz in instances]
+        index = {"format": INDEX_FORMAT, "instances": listed}
         tmp = root / (INDEX + ".tmp")
         with open(tmp, "w") as f:
             json.dump(index, f, indent=1)
