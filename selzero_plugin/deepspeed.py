@@ -48,6 +48,7 @@ from .core.selection import resolve_selection
 from .core.window import WindowState
 from .core.zero2 import SelectedZero2
 from .errors import CheckpointError, ConfigError, SelectionError, UsageError
+from .groups import expert_data_parallel_groups
 
 __all__ = ["initialize", "register", "TESTED_VERSIONS", "ENTRY"]
 
@@ -224,29 +225,6 @@ def _entry_config(block: Any) -> tuple[SelZeroConfig, int | None]:
     # update instead of raising (set "nonfinite": "error" to raise on every rank instead)
     block.setdefault("nonfinite", "skip")
     return SelZeroConfig.from_dict(block), ep
-
-
-def _expert_groups(ep: int, name: str) -> tuple[Any, str, list[dict[str, Any]]]:
-    """DeepSpeed's layout (deepspeed/utils/groups.py): expert-parallel groups are blocks of
-    ``ep`` consecutive ranks, so rank r holds the experts of position r % ep, replicated on the
-    expert-data-parallel group {r % ep, r % ep + ep, ...}. Every rank creates every group, in
-    order (a collective of the world). Returns (this rank's group, its instance name, every
-    instance for the checkpoint index)."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % ep:
-        raise ConfigError(f"\"selected_zero2\": expert_parallel_size={ep} does not divide the "
-                          f"world size {world}; use a divisor of {world}.")
-    mine = None
-    listed = []
-    for k in range(ep):
-        ranks = list(range(k, world, ep))
-        group = dist.new_group(ranks)
-        listed.append({"name": f"{name}-ep{k}", "ranks": ranks})
-        if rank % ep == k:
-            mine = group
-    return mine, f"{name}-ep{rank % ep}", listed
 
 
 def _filter_parameters(model_parameters: Any, model: nn.Module, selected: set[int]) -> Any:
@@ -641,7 +619,10 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     selected = {id(e.param) for e in entries}
     group, index_instances = None, None
     if ep is not None:
-        group, name, index_instances = _expert_groups(ep, sz_config.name)
+        layout = expert_data_parallel_groups(ep)
+        group, name = layout.group, f"{sz_config.name}-ep{layout.position}"
+        index_instances = [{"name": f"{sz_config.name}-ep{k}", "ranks": ranks}
+                           for k, ranks in enumerate(layout.all_ranks)]
         sz_config = dataclasses.replace(sz_config, name=name)
     bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
     # FP32 values before DeepSpeed casts the module (masters) and before its broadcast from
