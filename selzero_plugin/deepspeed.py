@@ -43,11 +43,13 @@ from torch import nn
 
 from .checkpoint import host as host_checkpoint
 from .config import SelZeroConfig
+from .core.comm import Communicator
+from .core.contract import agree_on_local_errors
 from .core.report import StepResult
 from .core.selection import resolve_selection
 from .core.window import WindowState
 from .core.zero2 import SelectedZero2
-from .errors import CheckpointError, ConfigError, SelectionError, UsageError
+from .errors import CheckpointError, ConfigError, SelectionError, SelZeroError, UsageError
 from .groups import expert_data_parallel_groups
 
 __all__ = ["initialize", "register", "TESTED_VERSIONS", "ENTRY"]
@@ -561,8 +563,18 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
         options.update(kwargs)
         module_only = bool(options.get("load_module_only", False))
         fresh = False
-        if folder is not None and os.path.isdir(folder) and not module_only \
-                and not host_checkpoint.has_folder(folder):
+        # every rank must see the same thing (node-local disks, a stale NFS view): agreed
+        present = folder is not None and host_checkpoint.has_folder(folder)
+        seen = torch.tensor([int(present), int(not present)], dtype=torch.int64,
+                            device=sz.comm.device)
+        sz.world_communicator().all_reduce(seen)
+        if int(seen[0]) and int(seen[1]):
+            raise CheckpointError(
+                f"[rank {torch.distributed.get_rank()}] {folder!r}: selzero's folder "
+                f"({host_checkpoint.FOLDER}/) is visible on {int(seen[0])} rank(s) and missing on "
+                f"{int(seen[1])}; every rank must load the same checkpoint (copy it to every "
+                "node, or point every rank at shared storage).")
+        if folder is not None and os.path.isdir(folder) and not module_only and not present:
             if not selzero_fresh_start:
                 raise CheckpointError(
                     f"{folder!r} has no selzero folder ({host_checkpoint.FOLDER}/): it was saved "
@@ -591,6 +603,15 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
+def _world_communicator(timeout_s: float) -> Communicator:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else torch.device("cpu")
+    return Communicator.create(list(range(dist.get_world_size())), timeout_s=timeout_s,
+                               device=device, shared=True)
+
+
 def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     bound = inspect.signature(original).bind(*args, **kwargs)
     source, raw = _load_config(bound.arguments)
@@ -610,17 +631,28 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=bound.arguments.get("distributed_port", 29500),
                                dist_init_required=bound.arguments.get("dist_init_required"))
-    entries = resolve_selection(model, params=list(sz_config.params),
-                                modules=list(sz_config.modules), expert_dim=sz_config.expert_dim)
-    if not entries:
-        raise SelectionError(f"\"selected_zero2\": params={list(sz_config.params)} modules="
-                             f"{list(sz_config.modules)} select no parameter of the model; check "
-                             "the names with `selzero plan` or model.named_parameters().")
+    # checks a rank may fail alone (its model, its selection): agreed on every rank before
+    # DeepSpeed's initialize, whose collectives would leave the others waiting
+    world = _world_communicator(sz_config.timeout_s)
+    error: SelZeroError | None = None
+    entries: list[Any] = []
+    try:
+        entries = resolve_selection(model, params=list(sz_config.params),
+                                    modules=list(sz_config.modules),
+                                    expert_dim=sz_config.expert_dim)
+        if not entries:
+            raise SelectionError(
+                f"\"selected_zero2\": params={list(sz_config.params)} modules="
+                f"{list(sz_config.modules)} select no parameter of the model; check the names "
+                "with `selzero plan` or model.named_parameters().")
+    except SelZeroError as e:
+        error = e
+    agree_on_local_errors(world, error, what="selected_zero2 at deepspeed.initialize")
     selected = {id(e.param) for e in entries}
-    group, index_instances = None, None
+    sz_group, index_instances = None, None
     if ep is not None:
         layout = expert_data_parallel_groups(ep)
-        group, name = layout.group, f"{sz_config.name}-ep{layout.position}"
+        sz_group, name = layout.group, f"{sz_config.name}-ep{layout.position}"
         index_instances = [{"name": f"{sz_config.name}-ep{k}", "ranks": ranks}
                            for k, ranks in enumerate(layout.all_ranks)]
         sz_config = dataclasses.replace(sz_config, name=name)
@@ -671,7 +703,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             for e in trainable:
                 e.param.data.copy_(snapshot[e.name].view_as(e.param))
     try:
-        sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs, group=group)
+        sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs, group=sz_group)
     finally:
         del basic.param_groups[live:]
         for group, p in inserted:

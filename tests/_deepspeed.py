@@ -86,6 +86,8 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     config.update(config_changes or {})
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, **kwargs)
     first = 0
+    if isinstance(load_dir, list):  # one folder per rank
+        load_dir = load_dir[rank]
     if load_dir is not None:
         engine.load_checkpoint(load_dir, **({"selzero_fresh_start": True} if fresh_start else {}),
                                **(load_options or {}))

@@ -244,7 +244,37 @@ def _initialize_only(rank, world, config):
     import selzero_plugin.deepspeed  # noqa: F401
     import deepspeed
 
+    if isinstance(config, list):  # one config per rank
+        config = config[rank]
     deepspeed.initialize(model=build_model(), config=config)
+
+
+def test_selection_failing_on_one_rank_raises_on_every_rank():
+    """Rank 1's selection matches nothing: every rank raises before DeepSpeed's initialize
+    (whose broadcast would leave rank 0 waiting)."""
+    from .dist_utils import all_errors
+
+    good, bad = ds_config(2, False), ds_config(2, False)
+    bad["selected_zero2"] = {"params": ["nomatch.*"]}
+    errors = all_errors(run_ranks(_initialize_only, 2, [good, bad], timeout=120, env=ENV),
+                        "SelectionError")
+    assert all("select no parameter" in e or "rank 1" in e for e in errors), errors
+
+
+def test_checkpoint_folder_missing_on_one_rank(tmp_path):
+    """selzero's folder visible on rank 0 only (node-local disks): the same CheckpointError on
+    every rank, none left waiting."""
+    from .dist_utils import all_errors
+
+    all_values(run_ranks(train_deepspeed, 2, 2, False, steps=1, save_at=1,
+                         save_dir=str(tmp_path / "a"), timeout=240, env=ENV))
+    import shutil
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "global_step1" / "selected_zero2")
+    errors = all_errors(run_ranks(train_deepspeed, 2, 2, False, steps=2,
+                                  load_dir=[str(tmp_path / "a"), str(tmp_path / "b")],
+                                  timeout=240, env=ENV), "CheckpointError")
+    assert all("visible on 1 rank(s) and missing on 1" in e for e in errors), errors
 
 
 def test_without_the_entry_nothing_changes():
