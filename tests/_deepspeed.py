@@ -65,7 +65,8 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
                     with_entry: bool = True, fresh_start: bool = False,
                     scheduler: dict[str, Any] | None = None,
                     config_changes: dict[str, Any] | None = None,
-                    load_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                    load_options: dict[str, Any] | None = None,
+                    poison_step: int | None = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps; return parameters (fp32), reported norms, DS state."""
     _quiet()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -92,9 +93,13 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
         engine.load_checkpoint(load_dir, **({"selzero_fresh_start": True} if fresh_start else {}),
                                **(load_options or {}))
         first = engine.global_steps
-    norms, lrs = [], []
+    norms, lrs, applied, moved = [], [], [], []
     for step in range(first, steps):
         lrs.append(engine.get_lr()[0])
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        if step == poison_step and rank == 1:  # an inf in one expert gradient on one rank
+            target = engine.module.blocks[0].experts[0].w1.weight
+            handle = target.register_hook(lambda g: torch.full_like(g, float("inf")))
         for micro in range(GAS):
             if style == "boundary":  # DeepSpeed's documented manual pattern: step() once
                 engine.set_gradient_accumulation_boundary(micro == GAS - 1)
@@ -105,6 +110,11 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
                 engine.backward(loss)
             if style != "boundary" or micro == GAS - 1:
                 engine.step()
+        if step == poison_step and rank == 1:
+            handle.remove()
+        applied.append(engine.was_step_applied())
+        moved.append(any(not torch.equal(a, b.detach())
+                         for a, b in zip(before, engine.module.parameters())))
         norm = engine.get_global_grad_norm()  # stock DeepSpeed at stage 0 fp32: None
         norms.append(None if norm is None else float(norm))
         if save_at is not None and step + 1 == save_at:
@@ -118,6 +128,9 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     ds_groups = {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]}
     steps_taken = sorted({float(st["step"]) for st in sz.optimizer.state.values()})
     return {"params": params, "norms": norms, "stage": stage, "lrs": lrs,
+            "applied": applied, "moved": moved,
+            "last_result": None if engine.selzero_step_result is None
+            else engine.selzero_step_result.skipped_nonfinite,
             "selzero_steps": steps_taken,
             "subset_hyper": [{k: g[k] for k in ("lr", "weight_decay")}
                              for g in sz.optimizer.param_groups],

@@ -8,6 +8,8 @@ clip_grad_norm_ over the global batch, and DeepSpeed's reported norm is the true
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -342,3 +344,17 @@ def test_expert_parallel_groups(tmp_path):
     for k in range(2):
         assert (tmp_path / "ep" / "selected_zero2" / f"selected_zero2-ep{k}" /
                 "manifest.json").is_file()
+
+
+def test_follows_deepspeeds_skip_on_a_non_finite_gradient():
+    """An inf in one expert's gradient on rank 1 only: the subset's norm is part of
+    DeepSpeed's, DeepSpeed (ZeRO-2 fp32) sees the overflow and skips the step, selzero skips
+    too on every rank (no error by default under DeepSpeed), and training goes on."""
+    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=3, poison_step=1,
+                                timeout=240, env=ENV))
+    for run in runs:
+        assert run["applied"] == [True, False, True], run["applied"]
+        assert run["moved"] == [True, False, True], run["moved"]
+        assert all(math.isfinite(float(v.abs().max())) for v in run["params"].values())
+    assert torch.equal(runs[0]["params"]["blocks.0.experts.0.w1.weight"],
+                       runs[1]["params"]["blocks.0.experts.0.w1.weight"])

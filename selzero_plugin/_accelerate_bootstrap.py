@@ -1,0 +1,50 @@
+"""Run an unmodified training script with selzero: ``selzero-accelerate launch`` starts this file
+with the script's path first; it routes the script's first ``Accelerator.prepare`` that holds a
+model through ``selzero_plugin.accelerate.prepare`` (config from ``SELZERO_CONFIG``), then runs
+the script as ``__main__``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+
+# run as a file, this folder is sys.path[0]: `import accelerate` would find selzero's own module
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+
+def _patch() -> None:
+    from accelerate import Accelerator
+    from torch import nn
+
+    from selzero_plugin import accelerate as sz_accelerate
+
+    original = Accelerator.prepare
+    done = {"flag": False}
+
+    @functools.wraps(original)
+    def prepare(self, *objects, **kwargs):
+        if done["flag"] or not any(isinstance(o, nn.Module) for o in objects):
+            return original(self, *objects, **kwargs)
+        done["flag"] = True
+        Accelerator.prepare = original  # selzero's prepare calls the real one
+        try:
+            return sz_accelerate.prepare(self, *objects, **kwargs)
+        finally:
+            Accelerator.prepare = prepare
+
+    Accelerator.prepare = prepare
+
+
+def main() -> None:
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    _patch()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

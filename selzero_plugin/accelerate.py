@@ -1,0 +1,210 @@
+"""Accelerate: ``selzero-accelerate launch --selzero_config FILE ...`` and ``prepare()``.
+
+``selzero-accelerate launch`` takes every ``accelerate launch`` flag (it reuses Accelerate's own
+parser) plus ``--selzero_config``; it checks the config before any process starts, exports it
+as ``SELZERO_CONFIG`` and hands over to Accelerate's launch, running the training script through
+a small bootstrap that routes the script's first ``Accelerator.prepare(model, optimizer, ...)``
+through :func:`prepare`. A script can also call ``selzero_plugin.accelerate.prepare(accelerator,
+*objects)`` itself.
+
+[Note: Accelerate adapter]
+Host DDP: the selected parameters are marked ignored before Accelerate wraps the model (DDP then
+neither averages nor broadcasts them; selzero broadcasts them at construction). Host DeepSpeed:
+the config's ``"selected_zero2"`` entry is set from the selzero config and the DeepSpeed
+registration does the rest. Accelerate's vocabulary maps onto the core's phases: micro-steps
+inside ``accelerator.accumulate`` / ``no_sync`` are local (the prepared model's ``no_sync``
+covers selzero), a backward outside it that is not at a sync step ends a micro-step,
+``accelerator.clip_grad_norm_`` computes the one global norm, the prepared optimizer's step
+(at a sync step) is followed by ``sz.step()``, which mirrors the host optimizer's scheduled
+values; ``save_state`` / ``load_state`` carry ``selected_zero2/`` inside the state folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .checkpoint import host as host_checkpoint
+from .config import ENV_CONFIG_FILE, SelZeroConfig
+from .core.clip import clip_grad_norm_
+from .core.window import WindowState
+from .core.zero2 import SelectedZero2
+from .errors import ConfigError, SelectionError, UsageError
+
+__all__ = ["prepare", "main", "resolve_config"]
+
+
+def resolve_config(config: Any = None) -> SelZeroConfig:
+    """A SelZeroConfig from ``config`` (a SelZeroConfig, a dict, a path) or ``SELZERO_CONFIG``."""
+    if isinstance(config, SelZeroConfig):
+        return config
+    if isinstance(config, dict):
+        return SelZeroConfig.from_dict(config)
+    if config is not None:
+        return SelZeroConfig.from_file(config)
+    path = os.environ.get(ENV_CONFIG_FILE)
+    if not path:
+        raise ConfigError(f"selzero_plugin.accelerate.prepare: no config given and "
+                          f"{ENV_CONFIG_FILE} is not set; pass config=... or launch with "
+                          "`selzero-accelerate launch --selzero_config FILE ...`.")
+    return SelZeroConfig.from_file(path)
+
+
+def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwargs: Any) -> Any:
+    """``accelerator.prepare(*objects)`` with selzero on the config's parameters (same return)."""
+    from accelerate.utils import DistributedType
+
+    cfg = resolve_config(config)
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        import selzero_plugin.deepspeed  # noqa: F401 - the registration does the work
+
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds.setdefault("selected_zero2", cfg.to_dict())
+        out = accelerator.prepare(*objects, **prepare_kwargs)
+        return out
+    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise UsageError(f"selzero_plugin.accelerate.prepare: Accelerate's distributed type "
+                         f"{kind} is not supported yet; use DDP (multi-CPU/GPU) or DeepSpeed.")
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if len(models) != 1 or len(optimizers) != 1:
+        raise UsageError(f"selzero_plugin.accelerate.prepare: expected one model and one "
+                         f"optimizer among the objects, got {len(models)} and {len(optimizers)}; "
+                         "prepare them together, e.g. accelerator.prepare(model, optimizer, "
+                         "dataloader, scheduler).")
+    model, host_opt = models[0], optimizers[0]
+    sz = SelectedZero2(model, cfg, host_opt)
+    if not sz.entries:
+        raise SelectionError(f"--selzero_config: params={list(cfg.params)} modules="
+                             f"{list(cfg.modules)} select no parameter of the model; check the "
+                             "names with model.named_parameters().")
+    if kind != DistributedType.NO:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for e in sz.entries for n in e.names])
+    out = accelerator.prepare(*objects, **prepare_kwargs)
+    prepared = list(out) if isinstance(out, (tuple, list)) else [out]
+    wrapped_model = prepared[objects.index(model)]
+    wrapped_opt = prepared[objects.index(host_opt)]
+    _install(accelerator, sz, wrapped_model, wrapped_opt)
+    return out
+
+
+def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) -> None:
+    selected = {id(e.param) for e in sz.entries}
+    if isinstance(model, DistributedDataParallel):
+        ddp_no_sync = model.no_sync
+
+        @contextlib.contextmanager
+        def no_sync() -> Iterator[None]:
+            with ddp_no_sync(), sz.no_sync():
+                yield
+
+        model.no_sync = no_sync
+    elif isinstance(model, nn.Module):  # one process: Accelerate's no_sync does nothing
+        model.no_sync = sz.no_sync
+
+    orig_backward = accelerator.backward
+
+    @functools.wraps(orig_backward)
+    def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        out = orig_backward(loss, **kwargs)
+        if not accelerator.sync_gradients and sz.state in (WindowState.OPEN,
+                                                           WindowState.AWAITING_CLOSE):
+            sz.end_microstep()  # a reduced micro-step outside no_sync, before the sync step
+        return out
+
+    orig_clip = accelerator.clip_grad_norm_
+
+    @functools.wraps(orig_clip)
+    def clip(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        host = [p for p in params if id(p) not in selected]
+        return clip_grad_norm_(host, max_norm, subsets=[sz], norm_type=norm_type)
+
+    orig_step = optimizer.step
+
+    @functools.wraps(orig_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not accelerator.sync_gradients:
+            return orig_step(*args, **kwargs)
+        out = orig_step(*args, **kwargs)
+        if getattr(optimizer, "step_was_skipped", False):  # fp16 overflow: the host skipped
+            sz.zero_grad()
+        else:
+            accelerator.selzero_step_result = sz.step()
+        return out
+
+    orig_save, orig_load = accelerator.save_state, accelerator.load_state
+
+    @functools.wraps(orig_save)
+    def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        location = orig_save(output_dir, *args, **kwargs)
+        host_checkpoint.save_into(location, [sz], rank=dist.get_rank()
+                                  if dist.is_initialized() else 0)
+        return location
+
+    @functools.wraps(orig_load)
+    def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        if input_dir is None:
+            raise UsageError("accelerator.load_state() with selzero: pass the state folder "
+                             "(input_dir=...), so that selzero loads the same one.")
+        out = orig_load(input_dir, *args, **kwargs)
+        host_checkpoint.load_from(input_dir, [sz])
+        return out
+
+    accelerator.backward = backward
+    accelerator.clip_grad_norm_ = clip
+    optimizer.step = step
+    accelerator.save_state = save_state
+    accelerator.load_state = load_state
+    accelerator.selzero = sz
+    accelerator.selzero_step_result = None
+
+
+# ---- the launcher -------------------------------------------------------------------------
+
+
+BOOTSTRAP = Path(__file__).with_name("_accelerate_bootstrap.py")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``selzero-accelerate launch [accelerate launch flags] --selzero_config FILE script ...``"""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "launch":
+        print("usage: selzero-accelerate launch --selzero_config FILE [accelerate launch flags] "
+              "script.py [script args]", file=sys.stderr)
+        return 2
+    parser = launch_command_parser()
+    parser.prog = "selzero-accelerate launch"
+    parser.add_argument("--selzero_config", default=None,
+                        help="selzero YAML/JSON config: ZeRO-2 for the parameters it selects")
+    args = parser.parse_args(argv[1:])
+    if args.selzero_config is not None:
+        path = os.path.abspath(args.selzero_config)
+        try:
+            SelZeroConfig.from_file(path)  # a clear error before any process starts
+        except ConfigError as e:
+            print(f"selzero-accelerate: --selzero_config {args.selzero_config}: {e}",
+                  file=sys.stderr)
+            return 2
+        os.environ[ENV_CONFIG_FILE] = path
+        if getattr(args, "module", False):
+            print("selzero-accelerate: --module with --selzero_config is not supported; pass "
+                  "the script's path.", file=sys.stderr)
+            return 2
+        args.training_script_args = [args.training_script, *args.training_script_args]
+        args.training_script = str(BOOTSTRAP)
+    launch_command(args)
+    return 0
