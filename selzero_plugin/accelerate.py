@@ -72,9 +72,15 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         ds.setdefault("selected_zero2", cfg.to_dict())
         out = accelerator.prepare(*objects, **prepare_kwargs)
         return out
-    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+    fsdp = kind == DistributedType.FSDP
+    if fsdp and not accelerator.is_fsdp2:
+        raise UsageError("selzero_plugin.accelerate.prepare: FSDP1 is not supported; use FSDP2 "
+                         "(fsdp_version: 2 in the Accelerate config).")
+    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) \
+            and not fsdp:
         raise UsageError(f"selzero_plugin.accelerate.prepare: Accelerate's distributed type "
-                         f"{kind} is not supported yet; use DDP (multi-CPU/GPU) or DeepSpeed.")
+                         f"{kind} is not supported yet; use DDP (multi-CPU/GPU), FSDP2 or "
+                         "DeepSpeed.")
     models = [o for o in objects if isinstance(o, nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     if len(models) != 1 or len(optimizers) != 1:
@@ -88,7 +94,9 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         raise SelectionError(f"--selzero_config: params={list(cfg.params)} modules="
                              f"{list(cfg.modules)} select no parameter of the model; check the "
                              "names with model.named_parameters().")
-    if kind != DistributedType.NO:
+    if fsdp:
+        _ignore_in_fsdp_plugin(accelerator.state.fsdp_plugin, model, [e.param for e in sz.entries])
+    elif kind != DistributedType.NO:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, [n for e in sz.entries for n in e.names])
     out = accelerator.prepare(*objects, **prepare_kwargs)
@@ -99,19 +107,38 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
     return out
 
 
+class _Holder:
+    """What Accelerate's ``ignored_modules`` needs: an object with ``.parameters()``."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self._params = params
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(self._params)
+
+
+def _ignore_in_fsdp_plugin(plugin: Any, model: nn.Module, params: list[nn.Parameter]) -> None:
+    """Add the selected parameters to the FSDP2 plugin's ``ignored_modules`` (Accelerate passes
+    them to every ``fully_shard`` as ``ignored_params``), keeping what it already held."""
+    import re
+
+    existing = plugin.ignored_modules
+    if isinstance(existing, str):
+        pattern = re.compile(existing)
+        existing = [m for n, m in model.named_modules() if pattern.fullmatch(n)]
+    plugin.ignored_modules = [*(existing or []), _Holder(params)]
+
+
 def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) -> None:
     selected = {id(e.param) for e in sz.entries}
-    if isinstance(model, DistributedDataParallel):
-        ddp_no_sync = model.no_sync
+    orig_no_sync = accelerator.no_sync
 
-        @contextlib.contextmanager
-        def no_sync() -> Iterator[None]:
-            with ddp_no_sync(), sz.no_sync():
-                yield
+    @contextlib.contextmanager
+    def no_sync(model: Any) -> Iterator[None]:  # also what accelerator.accumulate enters
+        with orig_no_sync(model), sz.no_sync():
+            yield
 
-        model.no_sync = no_sync
-    elif isinstance(model, nn.Module):  # one process: Accelerate's no_sync does nothing
-        model.no_sync = sz.no_sync
+    accelerator.no_sync = no_sync
 
     orig_backward = accelerator.backward
 

@@ -31,9 +31,13 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     subsets = list(subsets)
     device = grads[0].device if grads else (subsets[0].comm.device if subsets else torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        norms = torch._foreach_norm(grads, 2.0)
+    plain = [g for g in grads if not _is_dtensor(g)]
+    if plain:
+        norms = torch._foreach_norm(plain, 2.0)
         total = total + torch.stack([n.float() for n in norms]).pow(2).sum()
+    sharded = [g for g in grads if _is_dtensor(g)]
+    if sharded:
+        total = total + _dtensor_norm_squared(sharded).to(device)
     groups = [sz for sz in subsets if not sz.spans_world]  # each holds its own experts
     error: SelZeroError | None = None
     world_sq = torch.zeros(2, dtype=torch.float32, device=groups[0].comm.device) \
@@ -76,8 +80,35 @@ def clip_grad_norm_(host_parameters: Iterable[torch.nn.Parameter] | torch.Tensor
     """
     total, grads, subsets = global_grad_norm(host_parameters, subsets, norm_type=norm_type)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    if grads:  # a DTensor gradient (FSDP2 host) is scaled through its local shard
+        local = [g.to_local() if _is_dtensor(g) else g for g in grads]
+        torch._foreach_mul_(local, coef.to(local[0].device))
     for sz in subsets:
         sz.scale_gradients_(coef.to(sz.comm.device))
+    return total
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _dtensor_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Squared norm of DTensor gradients (an FSDP2 host), each element counted once: the local
+    shards' squares summed over each 1-D sharded mesh; any other layout through DTensor's own
+    norm (a per-tensor collective)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].to_local().device)
+    by_mesh: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    for g in grads:
+        mesh = g.device_mesh
+        if mesh.ndim == 1 and all(isinstance(pl, Shard) for pl in g.placements):
+            by_mesh.setdefault(id(mesh), (mesh, []))[1].append(g.to_local())
+        else:
+            total = total + torch.linalg.vector_norm(g.float()).full_tensor().pow(2).to(total.device)
+    for mesh, locals_ in by_mesh.values():
+        sq = torch.stack([t.float().pow(2).sum() for t in locals_]).sum().reshape(1)
+        dist.all_reduce(sq, group=mesh.get_group())
+        total = total + sq[0].to(total.device)
     return total
