@@ -61,7 +61,7 @@ def test_parity_with_one_process_torch(stage, bf16, ref):
     _check(runs, ref, bf16=bf16)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0])  # stage 2: test_client_optimizer_groups
 def test_client_optimizer_object(stage, ref):
     runs = all_values(run_ranks(train_deepspeed, 2, stage, False, steps=STEPS,
                                 client_optimizer=True, timeout=240, env=ENV))
@@ -158,7 +158,7 @@ def test_plain_backward_and_manual_boundary(style, ref):
     _check(runs, ref, bf16=False)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [False], ids=["fp32"])  # bf16 resume: same path, bitwise too
 def test_resume_from_engine_checkpoint(tmp_path, bf16):
     """Save at step 3 through engine.save_checkpoint, resume in fresh processes through
     engine.load_checkpoint (tag from `latest`), train on: the same as never stopping."""
