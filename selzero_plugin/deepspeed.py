@@ -193,6 +193,13 @@ def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> Non
             "AutoEP replaces the MoE layers and reduces their gradients itself, so selzero "
             "would not see them. Use one of them: remove \"expert_parallel\" and select the "
             "experts with selected_zero2, or remove selected_zero2.")
+    model = bound.get("model")
+    if type(model).__name__ in ("PipelineModule", "DualPipeVModule"):
+        raise ConfigError(
+            "selected_zero2 with a DeepSpeed PipelineModule: pipeline engines run their own "
+            "schedule, which the plugin does not follow yet; build selzero instances per stage "
+            "with SelectedZero2(..., group=...) and normalize_over=the stage's data-parallel "
+            "ranks instead, or drop the entry.")
     if bound.get("mpu") is not None or (ds_config.get("tensor_parallel") or {}).get("autotp_size"):
         raise ConfigError(
             "selected_zero2 with DeepSpeed model/tensor parallelism (an mpu, or "
