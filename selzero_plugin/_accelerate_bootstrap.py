@@ -26,7 +26,9 @@ def _patch() -> None:
 
     @functools.wraps(original)
     def prepare(self, *objects, **kwargs):
-        if done["flag"] or not any(isinstance(o, nn.Module) for o in objects):
+        if done["flag"] or getattr(self, "_selzero_preparing", False) \
+                or getattr(self, "selzero", None) is not None \
+                or not any(isinstance(o, nn.Module) for o in objects):
             return original(self, *objects, **kwargs)
         done["flag"] = True
         Accelerator.prepare = original  # selzero's prepare calls the real one

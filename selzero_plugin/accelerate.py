@@ -51,20 +51,26 @@ def resolve_config(config: Any = None) -> SelZeroConfig:
         return SelZeroConfig.from_dict(config)
     if config is not None:
         return SelZeroConfig.from_file(config)
-    path = os.environ.get(ENV_CONFIG_FILE)
-    if not path:
+    if not os.environ.get(ENV_CONFIG_FILE):
         raise ConfigError(f"selzero_plugin.accelerate.prepare: no config given and "
                           f"{ENV_CONFIG_FILE} is not set; pass config=... or launch with "
                           "`selzero-accelerate launch --selzero_config FILE ...`.")
-    return SelZeroConfig.from_file(path)
+    return SelZeroConfig.from_env()  # the file, then SELZERO_<FIELD> overrides
 
 
 def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwargs: Any) -> Any:
     """``accelerator.prepare(*objects)`` with selzero on the config's parameters (same return)."""
     from accelerate.utils import DistributedType
 
+    if getattr(accelerator, "selzero", None) is not None:
+        raise UsageError("selzero_plugin.accelerate.prepare: this Accelerator already prepared "
+                         "a model with selzero; prepare the model and its optimizer once.")
     cfg = resolve_config(config)
     kind = accelerator.distributed_type
+    if str(getattr(accelerator, "mixed_precision", "no")) == "fp16":
+        raise ConfigError("selzero with Accelerate's fp16 mixed precision: the loss scaler's "
+                          "unscale and overflow check do not cover selzero's gradients yet; use "
+                          "--mixed_precision bf16 (or no).")
     if kind == DistributedType.DEEPSPEED:
         import selzero_plugin.deepspeed  # noqa: F401 - the registration does the work
 
@@ -99,7 +105,11 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
     elif kind != DistributedType.NO:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, [n for e in sz.entries for n in e.names])
-    out = accelerator.prepare(*objects, **prepare_kwargs)
+    accelerator._selzero_preparing = True  # the launcher's patched prepare steps aside
+    try:
+        out = accelerator.prepare(*objects, **prepare_kwargs)
+    finally:
+        accelerator._selzero_preparing = False
     prepared = list(out) if isinstance(out, (tuple, list)) else [out]
     wrapped_model = prepared[objects.index(model)]
     wrapped_opt = prepared[objects.index(host_opt)]
@@ -131,19 +141,35 @@ def _ignore_in_fsdp_plugin(plugin: Any, model: nn.Module, params: list[nn.Parame
 
 def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) -> None:
     selected = {id(e.param) for e in sz.entries}
-    orig_no_sync = accelerator.no_sync
+    if isinstance(model, DistributedDataParallel):
+        # the prepared model's no_sync covers selzero (Accelerate's no_sync and accumulate
+        # enter it too)
+        ddp_no_sync = model.no_sync
 
-    @contextlib.contextmanager
-    def no_sync(model: Any) -> Iterator[None]:  # also what accelerator.accumulate enters
-        with orig_no_sync(model), sz.no_sync():
-            yield
+        @contextlib.contextmanager
+        def model_no_sync() -> Iterator[None]:
+            with ddp_no_sync(), sz.no_sync():
+                yield
 
-    accelerator.no_sync = no_sync
+        model.no_sync = model_no_sync
+    else:  # FSDP2 (set_requires_gradient_sync) or one process: through Accelerate's no_sync
+        orig_no_sync = accelerator.no_sync
+
+        @contextlib.contextmanager
+        def no_sync(model: Any) -> Iterator[None]:  # also what accelerator.accumulate enters
+            with orig_no_sync(model), sz.no_sync():
+                yield
+
+        accelerator.no_sync = no_sync
 
     orig_backward = accelerator.backward
 
     @functools.wraps(orig_backward)
     def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        if sz.state is WindowState.AWAITING_CLOSE:
+            # manual accumulation without no_sync (DDP reduces every micro-step): the previous
+            # backward's micro-step ends here, before this one reaches selzero
+            sz.end_microstep()
         out = orig_backward(loss, **kwargs)
         if not accelerator.sync_gradients and sz.state in (WindowState.OPEN,
                                                            WindowState.AWAITING_CLOSE):
@@ -156,6 +182,14 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
     def clip(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         host = [p for p in params if id(p) not in selected]
+        given = len(params) - len(host)
+        if given == 0:  # the caller clips host parameters only
+            return orig_clip(host, max_norm, norm_type)
+        if given < len(selected):
+            raise UsageError(
+                f"accelerator.clip_grad_norm_: {given} of selzero's {len(selected)} parameters "
+                "were given; selzero clips its subset as a whole. Pass all of them (e.g. "
+                "model.parameters()) or none.")
         return clip_grad_norm_(host, max_norm, subsets=[sz], norm_type=norm_type)
 
     orig_step = optimizer.step
@@ -182,11 +216,10 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
 
     @functools.wraps(orig_load)
     def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        if input_dir is None:
-            raise UsageError("accelerator.load_state() with selzero: pass the state folder "
-                             "(input_dir=...), so that selzero loads the same one.")
-        out = orig_load(input_dir, *args, **kwargs)
-        host_checkpoint.load_from(input_dir, [sz])
+        folder = os.path.expanduser(input_dir) if input_dir is not None \
+            else _latest_state(accelerator)
+        out = orig_load(folder, *args, **kwargs)
+        host_checkpoint.load_from(folder, [sz])
         return out
 
     accelerator.backward = backward
@@ -196,6 +229,21 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
     accelerator.load_state = load_state
     accelerator.selzero = sz
     accelerator.selzero_step_result = None
+
+
+def _latest_state(accelerator: Any) -> str:
+    """The folder ``load_state()`` picks without an argument (Accelerate's own rule: the
+    highest-numbered folder under ``project_dir/checkpoints`` with automatic naming)."""
+    import re
+
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise UsageError("accelerator.load_state() without a folder needs "
+                         "ProjectConfiguration(automatic_checkpoint_naming=True); pass the "
+                         "state folder (input_dir=...).")
+    root = os.path.join(accelerator.project_dir, "checkpoints")
+    folders = [os.path.join(root, f) for f in os.listdir(root)]
+    folders.sort(key=lambda f: [int(x) for x in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)][0])
+    return folders[-1]
 
 
 # ---- the launcher -------------------------------------------------------------------------
@@ -220,8 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     if args.selzero_config is not None:
         path = os.path.abspath(args.selzero_config)
-        try:
-            SelZeroConfig.from_file(path)  # a clear error before any process starts
+        try:  # a clear error before any process starts (the file and SELZERO_* overrides)
+            SelZeroConfig.from_env({**os.environ, ENV_CONFIG_FILE: path})
         except ConfigError as e:
             print(f"selzero-accelerate: --selzero_config {args.selzero_config}: {e}",
                   file=sys.stderr)

@@ -46,11 +46,20 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def test_launcher_matches_the_script_without_selzero(tmp_path):
-    out = _launch(tmp_path, "--out", "with.safetensors")
+@pytest.fixture(scope="module")
+def without_selzero(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("acc_plain")
+    assert "selzero: off" in _launch(tmp, "--out", "without.safetensors", selzero=False)
+    return _weights(tmp / "without.safetensors")
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "manual", "no_sync"])
+def test_launcher_matches_the_script_without_selzero(tmp_path, without_selzero, mode):
+    """accelerator.accumulate, accumulation by hand without no_sync (DDP reduces every
+    micro-step), and the DDP model's own no_sync: all equal plain Accelerate + DDP."""
+    out = _launch(tmp_path, "--out", "with.safetensors", "--mode", mode)
     assert "selzero: 16 parameters" in out, out  # 4 experts x 4 tensors, taken over
-    assert "selzero: off" in _launch(tmp_path, "--out", "without.safetensors", selzero=False)
-    a, b = _weights(tmp_path / "with.safetensors"), _weights(tmp_path / "without.safetensors")
+    a, b = _weights(tmp_path / "with.safetensors"), without_selzero
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, float((a[k] - b[k]).abs().max()))
@@ -78,3 +87,58 @@ def test_bad_config_is_refused_before_any_process_starts(tmp_path):
                            str(tmp_path / "missing.yaml"), str(TRAIN)], capture_output=True,
                           text=True, timeout=120, env=ENV)
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+
+
+def test_explicit_prepare_under_the_launcher_and_env_overrides(tmp_path):
+    """A script that calls selzero_plugin.accelerate.prepare itself, launched with the flag:
+    one instance (the launcher's routing steps aside); SELZERO_<FIELD> overrides apply."""
+    script = tmp_path / "explicit.py"
+    script.write_text(
+        "import importlib.util, torch\n"
+        "from accelerate import Accelerator\n"
+        "import selzero_plugin.accelerate as sa\n"
+        f"spec = importlib.util.spec_from_file_location('t', {str(ROOT / 'integrations/ddp/train.py')!r})\n"
+        "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)\n"
+        "acc = Accelerator(); model = t.build_model(0)\n"
+        "opt = torch.optim.AdamW(model.parameters(), lr=1e-2)\n"
+        "model, opt = sa.prepare(acc, model, opt)\n"
+        "x, y, r = t.make_batch(0, 0, 0)\n"
+        "acc.backward(t.loss_fn(model, x, y, r)); opt.step()\n"
+        "print('bucket_mb', acc.selzero.config.bucket_mb)\n")
+    env = {**ENV, "SELZERO_BUCKET_MB": "2"}
+    proc = subprocess.run([str(BIN / "selzero-accelerate"), "launch", "--num_processes", "1",
+                           "--selzero_config", str(CONFIG), str(script)], capture_output=True,
+                          text=True, timeout=200, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bucket_mb 2.0" in proc.stdout, proc.stdout
+
+
+def test_clip_of_host_parameters_only_leaves_the_subset_alone():
+    """accelerator.clip_grad_norm_ over the host's parameters only: the norm and clipping of
+    those alone (plain Accelerate's result); part of selzero's subset: a clear error."""
+    import importlib.util
+
+    from accelerate import Accelerator
+
+    import selzero_plugin.accelerate as sa
+    from selzero_plugin.errors import UsageError
+
+    spec = importlib.util.spec_from_file_location("t", ROOT / "integrations/ddp/train.py")
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
+    norms = []
+    for use_selzero in (False, True):
+        acc = Accelerator(cpu=True)
+        model = t.build_model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = sa.prepare(acc, model, opt, config={"params": ["*.experts.*"]}) \
+            if use_selzero else acc.prepare(model, opt)
+        acc.backward(t.loss_fn(model, *t.make_batch(0, 0, 0)))
+        host = [p for n, p in model.named_parameters() if ".experts." not in n]
+        norms.append(float(acc.clip_grad_norm_(host, 0.1)))
+        if use_selzero:
+            part = [p for n, p in model.named_parameters() if ".experts.0." in n]
+            with pytest.raises(UsageError, match="selzero clips its subset as a whole"):
+                acc.clip_grad_norm_(host + part, 0.1)
+            acc.selzero.remove_hooks()
+    assert abs(norms[0] - norms[1]) < 1e-6, norms

@@ -16,6 +16,7 @@ torch, and the two runs can be compared. Gradient accumulation runs inside
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -50,6 +51,9 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=None, help="optimizer step to save after")
     p.add_argument("--resume", default=None, help="accelerator.load_state folder")
     p.add_argument("--start", type=int, default=0, help="first optimizer step (after resume)")
+    p.add_argument("--mode", default="accumulate", choices=["accumulate", "manual", "no_sync"],
+                   help="gradient accumulation: accelerator.accumulate, by hand without "
+                        "no_sync (DDP reduces every micro-step), or the model's own no_sync")
     args = p.parse_args()
     torch.set_num_threads(1)
     acc = Accelerator(gradient_accumulation_steps=args.accumulate,
@@ -69,11 +73,23 @@ def main() -> None:
     for step in range(args.start, args.steps):
         for micro in range(args.accumulate):
             x, y, routes = make_batch(args.seed, step * args.accumulate + micro, rank)
-            with acc.accumulate(model):
-                loss = ddp_train.loss_fn(model, x, y, routes)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), args.clip)
+            if args.mode == "accumulate":
+                with acc.accumulate(model):
+                    loss = ddp_train.loss_fn(model, x, y, routes)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), args.clip)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                continue
+            last = micro == args.accumulate - 1
+            with model.no_sync() if args.mode == "no_sync" and not last \
+                    else contextlib.nullcontext():
+                # accelerator.backward divides by gradient_accumulation_steps itself
+                acc.backward(ddp_train.loss_fn(model, x, y, routes))
+            if last:
+                acc.clip_grad_norm_(model.parameters(), args.clip)
                 opt.step()
                 sched.step()
                 opt.zero_grad()
