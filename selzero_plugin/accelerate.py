@@ -95,6 +95,10 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
                          "prepare them together, e.g. accelerator.prepare(model, optimizer, "
                          "dataloader, scheduler).")
     model, host_opt = models[0], optimizers[0]
+    if getattr(accelerator, "device_placement", True):
+        # where prepare would put it, before selzero binds its segments to the parameters'
+        # storage (moving the module later would replace that storage)
+        model.to(accelerator.device)
     sz = SelectedZero2(model, cfg, host_opt)
     if not sz.entries:
         raise SelectionError(f"--selzero_config: params={list(cfg.params)} modules="
