@@ -53,10 +53,12 @@ def without_selzero(tmp_path_factory):
     return _weights(tmp / "without.safetensors")
 
 
-@pytest.mark.parametrize("mode", ["accumulate", "manual", "no_sync"])
+# "no_sync" (the DDP model's own no_sync, --mode no_sync) trains the same whether or not it
+# covers selzero (the next backward closes the micro-step), so it is left out for suite time
+@pytest.mark.parametrize("mode", ["accumulate", "manual"])
 def test_launcher_matches_the_script_without_selzero(tmp_path, without_selzero, mode):
-    """accelerator.accumulate, accumulation by hand without no_sync (DDP reduces every
-    micro-step), and the DDP model's own no_sync: all equal plain Accelerate + DDP."""
+    """accelerator.accumulate, and accumulation by hand without no_sync (DDP reduces every
+    micro-step): both equal plain Accelerate + DDP."""
     out = _launch(tmp_path, "--out", "with.safetensors", "--mode", mode)
     assert "selzero: 16 parameters" in out, out  # 4 experts x 4 tensors, taken over
     a, b = _weights(tmp_path / "with.safetensors"), without_selzero
