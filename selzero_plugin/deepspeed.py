@@ -27,6 +27,7 @@ DeepSpeed's vocabulary maps onto the core's phases:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -36,7 +37,7 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -273,8 +274,7 @@ def _strip_client_optimizer(optimizer: torch.optim.Optimizer, selected: set[int]
     return held
 
 
-def _subset_optimizer(engine: Any, ds_config: dict[str, Any], client_groups: dict[int, Any],
-                      trainable: list[Any]) -> tuple[Any, dict[str, Any], bool]:
+def _subset_optimizer(engine: Any, ds_config: dict[str, Any]) -> tuple[Any, dict[str, Any], bool]:
     """(optimizer for SelectedZero2, its kwargs, whether it mirrors a torch host instance).
 
     A torch.optim basic optimizer (a client instance, or a config type built by torch) is
@@ -425,8 +425,6 @@ def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool,
 
     @functools.wraps(orig_no_sync)
     def no_sync(*args: Any, **kwargs: Any) -> Any:
-        import contextlib
-
         stack = contextlib.ExitStack()
         stack.enter_context(orig_no_sync(*args, **kwargs))
         stack.enter_context(sz.no_sync())
@@ -500,9 +498,8 @@ def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
         optimizer.unscale_and_clip_grads = unscale_and_clip_grads
     elif isinstance(optimizer, torch.optim.Optimizer):
         def clip_fp32_gradients() -> None:
-            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-            host_sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
-            total = combined(host_sq.sqrt(), 1.0)
+            grads, norm = _module_grad_norm(engine)
+            total = combined(norm, 1.0)
             clip = float(engine.gradient_clipping())
             coef = clip / (float(total) + 1e-6)
             if coef < 1.0 and grads:
@@ -522,9 +519,7 @@ def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
         if plumbing.pending_sq is not None:
             if plumbing.total_norm is None and isinstance(optimizer, torch.optim.Optimizer):
                 # stage 0 fp32 without clipping: DeepSpeed computes no norm; report the true one
-                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                host_sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
-                combined(host_sq.sqrt(), 1.0)
+                combined(_module_grad_norm(engine)[1], 1.0)
             elif plumbing.total_norm is None and plumbing.norm_in_host:
                 plumbing.total_norm = float(optimizer._global_grad_norm)
             elif plumbing.total_norm is None and getattr(optimizer, "_global_grad_norm", None) \
@@ -536,6 +531,14 @@ def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
         return out
 
     optimizer.step = optimizer_step
+
+
+def _module_grad_norm(engine: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(the module's gradients, their L2 norm): stage 0 fp32, where DeepSpeed's gradients are
+    replicated after its all-reduce and the selected parameters hold none."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
+    return grads, sq.sqrt()
 
 
 def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
@@ -686,7 +689,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     engine, optimizer, dataloader, scheduler = original(**call)
 
     trainable = [e for e in entries if not e.frozen]
-    opt, opt_kwargs, mirrors = _subset_optimizer(engine, ds_config, client_groups, trainable)
+    opt, opt_kwargs, mirrors = _subset_optimizer(engine, ds_config)
     # A client optimizer's group that held a selected parameter is mirrored: its scheduled
     # values are re-read at every step. DeepSpeed drops groups that end up empty (they held
     # only selected parameters): those are mirrored with the values they had, unscheduled.

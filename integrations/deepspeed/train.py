@@ -78,7 +78,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "first_loss": float(mean_losses[0]), "final_loss": float(mean_losses[-1]),
             "rank_checksums": sums.tolist(), "selected": sz.selected_names,
             "selzero_bytes": report.total, "selzero_ideal_bytes": report.ideal_total,
-            "masters": {n: t.tolist() for n, t in []},
             "engine": engine}
 
 
