@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ._methods import replace_method
 from .checkpoint import host as host_checkpoint
 from .config import ENV_CONFIG_FILE, SelZeroConfig
 from .core.clip import clip_grad_norm_
@@ -228,7 +229,7 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
 
     accelerator.backward = backward
     accelerator.clip_grad_norm_ = clip
-    optimizer.step = step
+    replace_method(optimizer, "step", step)
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     accelerator.selzero = sz

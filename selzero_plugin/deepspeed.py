@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._methods import replace_method
 from .checkpoint import host as host_checkpoint
 from .config import SelZeroConfig
 from .core.comm import Communicator
@@ -530,7 +531,7 @@ def _install_norm(engine: Any, plumbing: _Plumbing) -> None:
             plumbing.after_optimizer_step(optimizer)
         return out
 
-    optimizer.step = optimizer_step
+    replace_method(optimizer, "step", optimizer_step)
 
 
 def _module_grad_norm(engine: Any) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -1,0 +1,265 @@
+"""HF Trainer: ``Trainer(..., callbacks=[SelectedZero2Callback(config)])``.
+
+[Note: Trainer adapter]
+Beside DDP (or one process) the callback alone is enough. At ``on_init_end`` (the Trainer's
+``Accelerator`` exists, the model is not wrapped yet) it finds the Trainer that is calling it and
+routes that Trainer's one ``accelerator.prepare(model, optimizer)`` through
+:func:`selzero_plugin.accelerate.prepare`: the selected parameters are left to selzero (ignored
+by DDP, broadcast once), the subset's optimizer mirrors the Trainer's own (its class and the
+decay / no-decay group of every parameter) and re-reads its scheduled lr every step, micro-steps
+follow ``accelerator.backward`` and ``sync_gradients``, and ``accelerator.clip_grad_norm_`` is the
+one global norm, so the ``grad_norm`` the Trainer logs is the true one. The Trainer's optimizer
+keeps the selected parameters in its groups but they never get a gradient, so it never makes
+state for them (its ``optimizer.pt`` holds none).
+
+Checkpoints: ``on_save`` writes ``selected_zero2/`` into ``checkpoint-N`` (rotation removes it
+with the rest); on ``train(resume_from_checkpoint=...)``, once the Trainer has loaded the weights,
+selzero refreshes its masters from them and loads its folder. selzero's own figures (parameters
+skipped this step) are added to the training logs before the Trainer records them.
+
+Beside DeepSpeed (``TrainingArguments(deepspeed=...)``) the registered ``deepspeed.initialize``
+does the work (the callback sets the config's ``"selected_zero2"`` entry when it has none) and
+the DeepSpeed engine's ``save_checkpoint`` / ``load_checkpoint`` carry the folder; the callback
+only adds the logs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .accelerate import prepare as accelerate_prepare
+from .accelerate import resolve_config
+from .checkpoint import host as host_checkpoint
+from .config import SelZeroConfig
+from .core.selection import resolve_selection
+from .errors import CheckpointError, ConfigError, UsageError
+
+try:  # the callback is a TrainerCallback when transformers is installed
+    from transformers import TrainerCallback as _Base
+except ImportError:  # pragma: no cover - exercised only without transformers
+    _Base = object  # type: ignore[assignment,misc]
+
+__all__ = ["SelectedZero2Callback"]
+
+LOG_KEYS = ("selzero/updated", "selzero/skipped_absent", "selzero/skipped_nonfinite")
+
+
+class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
+    """ZeRO-2 for the parameters ``config`` selects, inside a ``transformers.Trainer``.
+
+    ``config``: a :class:`SelZeroConfig`, a dict of its fields, a YAML/JSON path, or ``None``
+    for ``SELZERO_CONFIG``. It is used exactly as given; the Trainer's loss is token-normalized
+    and scaled for DDP averaging, so its ``reduction`` must be ``mean``. ``fresh_start=True``
+    resumes from a checkpoint saved without selzero (its optimizer state for the selected
+    parameters starts anew; by default that is an error).
+    """
+
+    def __init__(self, config: Any = None, *, fresh_start: bool = False) -> None:
+        self.config: SelZeroConfig = resolve_config(config)
+        if self.config.reduction != "mean":
+            raise ConfigError(
+                f"SelectedZero2Callback: reduction={self.config.reduction!r}, expected 'mean'. "
+                "The Trainer divides its loss by the global token count and multiplies it by the "
+                "number of processes to undo DDP's averaging, so selzero must average too; set "
+                "reduction: mean.")
+        self.fresh_start = bool(fresh_start)
+        self.trainer: Any = None
+        self._resume: str | None = None
+        self._figures = dict.fromkeys(LOG_KEYS, 0)
+        self._steps_since_log = 0
+
+    # ---- where selzero comes in ------------------------------------------------------------
+
+    @property
+    def selzero(self) -> Any:
+        """The SelectedZero2 instance (None before training starts)."""
+        if self.trainer is None:
+            return None
+        acc = self.trainer.accelerator
+        return getattr(acc, "selzero", None) or getattr(
+            getattr(self.trainer, "model_wrapped", None), "selzero", None)
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None,
+                    **kwargs: Any) -> Any:
+        trainer = _calling_trainer()
+        if self.trainer is not None and self.trainer is not trainer:
+            raise UsageError("SelectedZero2Callback: this callback is already attached to another "
+                             "Trainer; give each Trainer its own SelectedZero2Callback(config).")
+        self.trainer = trainer
+        if getattr(args, "fp16", False):
+            raise ConfigError("SelectedZero2Callback with TrainingArguments(fp16=True): the loss "
+                              "scaler's unscale and overflow check do not cover selzero's "
+                              "gradients yet; use bf16=True (or neither).")
+        _warn_fused_experts(trainer.model, self.config)
+        if trainer.is_deepspeed_enabled:
+            self._via_deepspeed(trainer)
+        else:
+            self._route_prepare(trainer)
+        self._wrap_train(trainer)
+        self._wrap_log(trainer)
+        return control
+
+    def _route_prepare(self, trainer: Any) -> None:
+        acc = trainer.accelerator
+        original = acc.prepare
+        config = self.config
+
+        @functools.wraps(original)
+        def prepare(*objects: Any, **kwargs: Any) -> Any:
+            takes_over = getattr(acc, "selzero", None) is None \
+                and not getattr(acc, "_selzero_preparing", False) \
+                and any(isinstance(o, torch.nn.Module) for o in objects) \
+                and any(isinstance(o, torch.optim.Optimizer) for o in objects)
+            if not takes_over:
+                return original(*objects, **kwargs)
+            acc.prepare = original  # selzero's prepare calls the Accelerator's own
+            try:
+                return accelerate_prepare(acc, *objects, config=config, **kwargs)
+            finally:
+                acc.prepare = prepare
+
+        acc.prepare = prepare
+
+    def _via_deepspeed(self, trainer: Any) -> None:
+        import selzero_plugin.deepspeed  # noqa: F401 - registers the wrapped deepspeed.initialize
+
+        ds = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+        entry = ds.get("selected_zero2")
+        if entry is None:
+            ds["selected_zero2"] = self.config.to_dict()
+            return
+        mine = self.config.to_dict()
+        differ = sorted(k for k in ("params", "modules", "expert_dim")
+                        if isinstance(entry, dict) and entry.get(k, mine[k]) != mine[k])
+        if differ:
+            raise ConfigError(
+                f"SelectedZero2Callback: the DeepSpeed config's 'selected_zero2' entry and the "
+                f"callback's config select differently ({', '.join(differ)}: "
+                f"{ {k: entry.get(k) for k in differ} } vs { {k: mine[k] for k in differ} }); "
+                "keep one of them (the entry alone is enough under DeepSpeed).")
+
+    def _wrap_train(self, trainer: Any) -> None:
+        original = trainer.train
+        callback = self
+
+        @functools.wraps(original)
+        def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            folder = resume_from_checkpoint
+            if isinstance(folder, bool):
+                if folder:
+                    from transformers.trainer_utils import get_last_checkpoint
+
+                    folder = get_last_checkpoint(trainer.args.output_dir)
+                else:
+                    folder = None
+            callback._resume = None if folder is None else str(folder)
+            return original(resume_from_checkpoint, *args, **kwargs)
+
+        trainer.train = train
+
+    def _wrap_log(self, trainer: Any) -> None:
+        original = trainer.log
+        callback = self
+
+        @functools.wraps(original)
+        def log(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+            # the Trainer appends a copy of `logs` to log_history before on_log runs
+            if "loss" in logs and callback._steps_since_log:
+                logs.update(callback._figures)
+                callback._figures = dict.fromkeys(LOG_KEYS, 0)
+                callback._steps_since_log = 0
+            return original(logs, *args, **kwargs)
+
+        trainer.log = log
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        sz = self.selzero
+        if sz is None:
+            raise UsageError(
+                "SelectedZero2Callback: the Trainer started training but selzero was not built "
+                "(its accelerator.prepare(model, optimizer) did not run, e.g. a model wrapped "
+                "before the Trainer got it); pass the plain model to the Trainer.")
+        if self._resume is not None and not self.trainer.is_deepspeed_enabled:
+            # the Trainer loaded the weights (before prepare, or after it under FSDP): refresh
+            # the masters from them, then load the folder (masters and optimizer state)
+            sz.sync_from_params()
+            if host_checkpoint.has_folder(self._resume):
+                host_checkpoint.load_from(self._resume, [sz])
+            elif not self.fresh_start:
+                raise CheckpointError(
+                    f"resume_from_checkpoint={self._resume!r}: no {host_checkpoint.FOLDER}/ "
+                    "folder in it (saved without selzero?). Resume from a checkpoint saved with "
+                    "SelectedZero2Callback, or pass SelectedZero2Callback(config, "
+                    "fresh_start=True) to start the selected parameters' optimizer state anew.")
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        owner = self.trainer.accelerator if getattr(self.trainer.accelerator, "selzero", None) \
+            is not None else getattr(self.trainer, "model_wrapped", None)
+        result = getattr(owner, "selzero_step_result", None)
+        if result is not None:
+            self._figures["selzero/updated"] += result.updated
+            self._figures["selzero/skipped_absent"] += result.skipped_absent
+            self._figures["selzero/skipped_nonfinite"] += result.skipped_nonfinite
+        self._steps_since_log += 1
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.trainer.is_deepspeed_enabled:
+            return control  # the engine's save_checkpoint wrote it into its tag folder
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        sz = self.selzero
+        if sz is None:
+            return control
+        run_dir = self.trainer._get_output_dir(trial=None) \
+            if hasattr(self.trainer, "_get_output_dir") else args.output_dir
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if args.save_only_model:
+            return control  # the Trainer saves no optimizer state either
+        host_checkpoint.save_into(folder, [sz], rank=dist.get_rank()
+                                  if dist.is_initialized() else 0)
+        return control
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose ``__init__`` fires ``on_init_end``."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    raise UsageError("SelectedZero2Callback: on_init_end was not called by a transformers.Trainer; "
+                     "add the callback with Trainer(..., callbacks=[SelectedZero2Callback(cfg)]).")
+
+
+def _warn_fused_experts(model: Any, config: SelZeroConfig) -> None:
+    """transformers' MoE layers store experts fused ((E, ...) tensors): without ``expert_dim``
+    each is one parameter (an expert that got no tokens is still decayed and moved)."""
+    if config.expert_dim is not None or model is None:
+        return
+    try:
+        entries = resolve_selection(model, params=list(config.params),
+                                    modules=list(config.modules), expert_dim=0)
+    except Exception:  # the real selection reports its own errors at prepare
+        return
+    fused = [e.name for e in entries if e.num_experts]
+    if fused:
+        warnings.warn(
+            f"selzero: {len(fused)} selected parameters are fused expert tensors (e.g. "
+            f"{fused[0]!r}, {entries[[e.name for e in entries].index(fused[0])].num_experts} "
+            "experts) and expert_dim is not set, so each is treated as one parameter: an expert "
+            "that got no tokens is still updated (weight decay, momentum). Set expert_dim: 0 to "
+            "treat each expert as its own parameter.", UserWarning, stacklevel=3)
