@@ -102,7 +102,7 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         model.to(accelerator.device)
     sz = SelectedZero2(model, cfg, host_opt)
     if not sz.entries:
-        raise SelectionError(f"--selzero_config: params={list(cfg.params)} modules="
+        raise SelectionError(f"selzero config: params={list(cfg.params)} modules="
                              f"{list(cfg.modules)} select no parameter of the model; check the "
                              "names with model.named_parameters().")
     if fsdp:

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     demo.add_argument("--out", default=None,
                       help="folder for the demo's checkpoint (default: a temporary folder)")
-    demo.add_argument("--host", default="ddp", choices=["ddp", "deepspeed"],
+    demo.add_argument("--host", default="ddp", choices=["ddp", "accelerate", "trainer", "deepspeed"],
                       help="the strategy for the other parameters: DDP (default) or DeepSpeed "
                            "ZeRO-2 with the \"selected_zero2\" entry")
 

@@ -40,7 +40,9 @@ from .core.zero2 import SelectedZero2
 __all__ = ["launch", "worker", "DemoMoE", "DemoConfig"]
 
 NUM_EXPERTS = 8
-HOSTS = ("ddp", "deepspeed")
+HOSTS = ("ddp", "accelerate", "trainer", "deepspeed")
+_HOST_NAMES = {"ddp": "DDP", "accelerate": "DDP (through Accelerate)",
+               "trainer": "DDP (through the HF Trainer)", "deepspeed": "DeepSpeed ZeRO-2"}
 # Topic frequencies by rank parity: even ranks lean on topics 0-2, odd ones on 2-4; 5-6 are rare;
 # 7 never occurs.
 _TOPIC_WEIGHTS = {
@@ -71,8 +73,10 @@ def launch(nproc: int, steps: int, out: str | None, host: str = "ddp") -> int:
 
     saved_env = dict(os.environ)
     os.environ["OMP_NUM_THREADS"] = "1"
-    if host == "deepspeed":
+    if host != "ddp":  # DeepSpeed (also imported by Accelerate and transformers) warns without it
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    if host in ("accelerate", "trainer") and not torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "1"  # multi-CPU DDP (gloo)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ info lines
     try:
         with tempfile.TemporaryDirectory(prefix="selzero-demo-") as tmp:
@@ -210,6 +214,116 @@ def _optimizer_bytes(engine: Any) -> int:
     return total
 
 
+def _host_step(host: str, model: nn.Module, sz_config: SelZeroConfig, cfg: DemoConfig) -> Any:
+    """(selzero, step(x, y, topics) -> (loss, StepResult)) for a host that the demo drives."""
+    if host == "deepspeed":
+        engine = _deepspeed_engine(model, sz_config, cfg)
+
+        def step(x: torch.Tensor, y: torch.Tensor, topics: torch.Tensor) -> Any:
+            loss = (engine(x, topics) - y).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            return loss, engine.selzero_step_result
+
+        step.engine = engine  # type: ignore[attr-defined]
+        return engine.selzero, step
+    if host == "accelerate":
+        from accelerate import Accelerator
+
+        from .accelerate import prepare
+
+        accelerator = Accelerator()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay)
+        wrapped, optimizer = prepare(accelerator, model, optimizer, config=sz_config)
+
+        def step(x: torch.Tensor, y: torch.Tensor, topics: torch.Tensor) -> Any:
+            loss = (wrapped(x, topics) - y).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss, accelerator.selzero_step_result
+
+        step.accelerator = accelerator  # type: ignore[attr-defined]
+        return accelerator.selzero, step
+    sz = SelectedZero2(model, sz_config, torch.optim.AdamW,
+                       {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
+    ddp = wrap_ddp(model, sz)
+    selected = {id(e.param) for e in sz.entries}
+    host_opt = torch.optim.AdamW([p for p in model.parameters() if id(p) not in selected],
+                                 lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def step(x: torch.Tensor, y: torch.Tensor, topics: torch.Tensor) -> Any:
+        loss = (ddp(x, topics) - y).pow(2).mean()
+        loss.backward()
+        host_opt.step()
+        result = sz.step()
+        host_opt.zero_grad(set_to_none=True)
+        return loss, result
+
+    return sz, step
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Item ``step * world + rank`` is the demo's batch of that rank at that step (read in order,
+    one item per rank per step, Accelerate's sharding hands rank r the items r, r + world, ...)."""
+
+    def __init__(self, steps: int, world: int, cfg: DemoConfig,
+                 teacher: dict[str, torch.Tensor]) -> None:
+        self.items = [_batch(i // world, i % world, cfg, teacher) for i in range(steps * world)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x, y, topics = self.items[i]
+        return {"x": x, "y": y, "topics": topics}
+
+
+class _WithLoss(nn.Module):
+    """The demo model as the Trainer wants it: keyword inputs in, ``{"loss": ...}`` out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, topics: torch.Tensor) -> dict:
+        return {"loss": (self.model(x, topics) - y).pow(2).mean()}
+
+
+def _train_with_trainer(model: nn.Module, sz_config: SelZeroConfig, cfg: DemoConfig,
+                        teacher: dict[str, torch.Tensor], steps: int, out: str) -> Any:
+    """The HF Trainer with SelectedZero2Callback: (trainer, mean losses, skipped, updated)."""
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from .trainer import SelectedZero2Callback
+
+    hf_logging.set_verbosity_error()
+
+    class DemoTrainer(Trainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    args = TrainingArguments(
+        output_dir=out, max_steps=steps, per_device_train_batch_size=1, learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay, lr_scheduler_type="constant", max_grad_norm=0.0,
+        logging_steps=1, save_strategy="steps", save_steps=steps, report_to="none",
+        disable_tqdm=True, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        log_level="error", remove_unused_columns=False)
+    trainer = DemoTrainer(model=_WithLoss(model), args=args,
+                          train_dataset=_Batches(steps, dist.get_world_size(), cfg, teacher),
+                          data_collator=lambda items: {k: v for k, v in items[0].items()},
+                          callbacks=[SelectedZero2Callback(sz_config)])
+    trainer.remove_callback(PrinterCallback)  # the demo prints its own report
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    losses = torch.tensor([h["loss"] for h in logs], dtype=torch.float64)
+    skipped = sum(h["selzero/skipped_absent"] for h in logs)
+    updated = sum(h["selzero/updated"] for h in logs)
+    return trainer, losses, skipped, updated
+
+
 def worker(steps: int, out: str, *, temporary: bool = False, host: str = "ddp") -> None:
     """One rank of the demo (started by torchrun: RANK, WORLD_SIZE, MASTER_* are set)."""
     torch.set_num_threads(1)
@@ -220,46 +334,31 @@ def worker(steps: int, out: str, *, temporary: bool = False, host: str = "ddp") 
         torch.manual_seed(0)
         model = DemoMoE(cfg)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        sz_config = SelZeroConfig(params=["layers.*.experts.*"])
-        if host == "deepspeed":
-            engine = _deepspeed_engine(model, sz_config, cfg)
-            sz = engine.selzero
-        else:
-            sz = SelectedZero2(model, sz_config, torch.optim.AdamW,
-                               {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
-            ddp = wrap_ddp(model, sz)
-            selected = {id(e.param) for e in sz.entries}
-            host_opt = torch.optim.AdamW([p for p in model.parameters() if id(p) not in selected],
-                                         lr=cfg.lr, weight_decay=cfg.weight_decay)
+        sz_config = SelZeroConfig(params=["*layers.*.experts.*"])
         teacher = _teacher(cfg)
-        losses = torch.zeros(steps, dtype=torch.float64)
-        skipped = updated = 0
         started = time.perf_counter()
-        for step in range(steps):
-            x, y, topics = _batch(step, rank, cfg, teacher)
-            if host == "deepspeed":
-                loss = (engine(x, topics) - y).pow(2).mean()
-                engine.backward(loss)
-                engine.step()
-                result = engine.selzero_step_result
-            else:
-                loss = (ddp(x, topics) - y).pow(2).mean()
-                loss.backward()
-                host_opt.step()
-                result = sz.step()
-                host_opt.zero_grad(set_to_none=True)
-            losses[step] = loss.item()
-            skipped += result.skipped_absent
-            updated += result.updated
+        if host == "trainer":
+            trainer, losses, skipped, updated = _train_with_trainer(model, sz_config, cfg,
+                                                                    teacher, steps, out)
+            sz = trainer.accelerator.selzero
+        else:
+            sz, run_step = _host_step(host, model, sz_config, cfg)
+            losses = torch.zeros(steps, dtype=torch.float64)
+            skipped = updated = 0
+            for step in range(steps):
+                loss, result = run_step(*_batch(step, rank, cfg, teacher))
+                losses[step] = loss.item()
+                skipped += result.skipped_absent
+                updated += result.updated
+            dist.all_reduce(losses)
+            losses /= world
         train_s = time.perf_counter() - started
         host_bytes = None
         if host == "deepspeed":
-            mine_ds = torch.tensor([_optimizer_bytes(engine)], dtype=torch.int64)
+            mine_ds = torch.tensor([_optimizer_bytes(run_step.engine)], dtype=torch.int64)
             host_bytes = [torch.zeros_like(mine_ds) for _ in range(world)]
             dist.all_gather(host_bytes, mine_ds)
 
-        dist.all_reduce(losses)
-        losses /= world
         report = sz.memory_report()
         mine = torch.tensor([report.grad_shard + report.optimizer_state + report.master],
                             dtype=torch.int64)
@@ -270,8 +369,13 @@ def worker(steps: int, out: str, *, temporary: bool = False, host: str = "ddp") 
         dead_untouched = all(torch.equal(initial[n], p) for n, p in model.named_parameters()
                              if n in dead)
         if host == "deepspeed":
-            engine.save_checkpoint(out, tag="demo")
+            run_step.engine.save_checkpoint(out, tag="demo")
             folder = Path(out) / "demo" / "selected_zero2" / sz_config.name
+        elif host == "accelerate":
+            run_step.accelerator.save_state(os.path.join(out, "demo"))
+            folder = Path(out) / "demo" / "selected_zero2" / sz_config.name
+        elif host == "trainer":  # the Trainer saved checkpoint-<steps> at its last step
+            folder = Path(out) / f"checkpoint-{steps}" / "selected_zero2" / sz_config.name
         else:
             folder = Path(out) / sz_config.name
             sz.save_checkpoint(str(folder))
@@ -323,7 +427,10 @@ def _checkpoint_round_trip(sz: SelectedZero2, sz_config: SelZeroConfig, cfg: Dem
     """
     sz.remove_hooks()
     torch.manual_seed(1)  # different initial weights, so a match proves the load
-    fresh_model = DemoMoE(cfg)
+    fresh_model: nn.Module = DemoMoE(cfg)
+    if isinstance(sz.model, _WithLoss):  # the Trainer's view of the model
+        fresh_model = _WithLoss(fresh_model)
+    model = sz.model
     fresh = SelectedZero2(fresh_model, sz_config, torch.optim.AdamW,
                           {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
     fresh.load_checkpoint(str(folder))
@@ -372,7 +479,7 @@ def _print_table(*, world: int, steps: int, cfg: DemoConfig, per_rank, expert_pa
         f"selzero demo: {world} processes (gloo), {cfg.layers} MoE layers x {NUM_EXPERTS} experts, "
         f"top-1 routing, AdamW, {steps} steps",
         f"expert parameters (selzero): {numel:,} in {len(expert_params)} tensors; "
-        f"everything else: {'DeepSpeed ZeRO-2' if host == 'deepspeed' else 'DDP'}",
+        f"everything else: {_HOST_NAMES[host]}",
         "",
         "per-rank bytes of expert gradients + optimizer state",
         f"  {'rank':<6}{'selzero':>14}{'DDP + AdamW':>16}{'ratio':>8}"

@@ -1,7 +1,8 @@
 """HF Trainer runs with and without SelectedZero2Callback, several in one 2-process launch
 (suite time): ``torchrun --nproc_per_node 2 tests/_trainer_runs.py OUT MODEL VARIANT...``.
 
-A variant is ``fresh`` (see fresh()), ``plain``, ``sz`` (experts fused, one parameter each) or ``sz0``
+A variant is ``fresh`` (see fresh()), ``ds`` / ``ds-sz0`` (DeepSpeed ZeRO-2 through
+``TrainingArguments(deepspeed=...)``, without / with the callback), ``plain``, ``sz`` (experts fused, one parameter each) or ``sz0``
 (``expert_dim=0``); each trains 6 steps (gradient accumulation 2, clipping) saving every 2
 steps with ``save_total_limit=2``, then a fresh Trainer resumes from ``checkpoint-4``. Rank 0
 writes ``OUT/<variant>.safetensors`` (weights), ``OUT/<variant>.resumed.safetensors`` and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,10 +30,16 @@ _spec.loader.exec_module(hf_train)
 SELECT = ["*.mlp.experts.*"]
 
 
+DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+             "bf16": {"enabled": False}, "steps_per_print": 10 ** 9}
+
+
 def config_of(variant: str) -> dict | None:
-    if variant == "plain":
+    if variant in ("plain", "ds"):
         return None
-    return {"params": SELECT, "bucket_mb": 0.01, **({"expert_dim": 0} if variant == "sz0" else {})}
+    return {"params": SELECT, "bucket_mb": 0.01,
+            **({"expert_dim": 0} if variant.endswith("sz0") else {})}
 
 
 def run(out: Path, model: str, variant: str) -> None:
@@ -39,8 +47,11 @@ def run(out: Path, model: str, variant: str) -> None:
 
     work = out / f"{model}-{variant}"
     routing: list = []
+    extra = {"deepspeed": dict(DS_CONFIG), "use_cpu": False} if variant.startswith("ds") else {}
+    if extra:  # TrainingArguments takes the DeepSpeed path only without use_cpu / the variable
+        os.environ.pop("ACCELERATE_USE_CPU", None)
     trainer = hf_train.build_trainer(model, str(work), config_of(variant), steps=6,
-                                     save_steps=2, save_total_limit=2, routing=routing)
+                                     save_steps=2, save_total_limit=2, routing=routing, **extra)
     trainer.train()
     full = trainer.state.log_history
     rank = dist.get_rank()
@@ -49,7 +60,7 @@ def run(out: Path, model: str, variant: str) -> None:
         save_file(hf_train.weights(trainer.model), str(out / f"{variant}.safetensors"))
     resumed = hf_train.build_trainer(model, str(work), config_of(variant), steps=6,
                                      save_steps=2, save_total_limit=2,
-                                     weights_from=str(work / "checkpoint-4"))
+                                     weights_from=str(work / "checkpoint-4"), **extra)
     resumed.train(resume_from_checkpoint=str(work / "checkpoint-4"))
     if rank == 0:
         save_file(hf_train.weights(resumed.model), str(out / f"{variant}.resumed.safetensors"))

@@ -74,3 +74,28 @@ def test_demo_under_deepspeed_prints_the_same_report():
     assert "bit-identical to its start" in out
     assert "replicas identical after training: yes" in out
     assert "AdamW state match exactly" in out
+
+
+@pytest.mark.parametrize("host,label", [("accelerate", "DDP (through Accelerate)"),
+                                        ("trainer", "DDP (through the HF Trainer)")])
+def test_demo_through_accelerate_and_the_trainer_prints_the_same_report(host, label):
+    """`selzero demo --host accelerate|trainer`: selzero_plugin.accelerate.prepare, and the HF
+    Trainer with SelectedZero2Callback; the same routing, so the same experts are skipped."""
+    pytest.importorskip("accelerate")
+    if host == "trainer":
+        pytest.importorskip("transformers")
+    proc = _run_demo("--steps", "12", "--host", host, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+    assert not proc.stderr.strip(), proc.stderr
+    assert f"everything else: {label}" in out
+    rows = re.findall(r"^\s+(\d)\s+([\d,.]+) KiB\s+([\d,.]+) KiB\s+([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["0", "1"], out
+    assert all(0.0 < float(r[3]) <= 0.5 for r in rows), out
+    first, last = map(float, re.search(r"step 1: ([\d.]+)\s+step 12: ([\d.]+)", out).groups())
+    assert last < first, out
+    # the DDP demo's routing: 68 of 192 expert updates skipped over 12 steps
+    assert "expert updates skipped (expert absent on every rank): 68 of 192" in out, out
+    assert "bit-identical to its start" in out
+    assert "replicas identical after training: yes" in out
+    assert "AdamW state match exactly" in out

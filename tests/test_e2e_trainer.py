@@ -186,3 +186,43 @@ def test_callback_outside_a_trainer_is_refused():
     cb = SelectedZero2Callback({"params": ["*.experts.*"]})
     with pytest.raises(UsageError, match="not called by a transformers.Trainer"):
         cb.on_init_end(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("trainer_deepspeed")
+    return out, _launch(out, "qwen3", "ds", "ds-sz", "ds-sz0")
+
+
+def test_beside_deepspeed_the_entry_does_the_work(deepspeed_runs):
+    """TrainingArguments(deepspeed=ZeRO-2 config without an entry) + the callback: the callback
+    sets the entry, the registered deepspeed.initialize takes the experts; the same training
+    as the Trainer with stock DeepSpeed (fused experts: every expert tensor has a gradient),
+    the same logged norms, resume parity, selzero's folder in the engine's tag folder."""
+    out, _ = deepspeed_runs
+    _assert_close(_load(out / "ds-sz.safetensors"), _load(out / "ds.safetensors"))
+    _assert_close(_load(out / "ds-sz.resumed.safetensors"), _load(out / "ds.resumed.safetensors"))
+    full = _load(out / "ds-sz.safetensors")
+    resumed = _load(out / "ds-sz.resumed.safetensors")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    mine = _steps(json.loads((out / "ds-sz.json").read_text())["full"])
+    stock = _steps(json.loads((out / "ds.json").read_text())["full"])
+    assert len(mine) == len(stock) == 6
+    for a, b in zip(mine, stock):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6, abs=0)
+        assert a["selzero/updated"] == 4
+    work = Path(json.loads((out / "ds-sz.json").read_text())["work"])
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("checkpoint-")) == \
+        ["checkpoint-4", "checkpoint-6"]
+    assert (work / "checkpoint-4" / "global_step4" / "selected_zero2" / "index.json").is_file()
+
+
+def test_beside_deepspeed_absent_experts_reach_the_log(deepspeed_runs):
+    """expert_dim=0 under DeepSpeed: experts that got no token anywhere are skipped (no update,
+    no decay) and the Trainer's log_history says how many."""
+    out, _ = deepspeed_runs
+    steps = _steps(json.loads((out / "ds-sz0.json").read_text())["full"])
+    assert all(s["selzero/updated"] + s["selzero/skipped_absent"] == 32 for s in steps)
+    assert any(s["selzero/skipped_absent"] > 0 for s in steps), steps

@@ -72,8 +72,8 @@ def training_args(output_dir: str, *, steps: int, accumulate: int = 2, clip: flo
         warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=clip, logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         save_total_limit=save_total_limit, report_to="none", seed=seed, data_seed=seed,
-        dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-        ddp_find_unused_parameters=False, **extra)
+        dataloader_num_workers=0, disable_tqdm=True,
+        **{"use_cpu": not torch.cuda.is_available(), "ddp_find_unused_parameters": False, **extra})
 
 
 def build_trainer(kind: str, output_dir: str, selzero: Any = None, *, steps: int = 6,
