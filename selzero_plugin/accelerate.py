@@ -37,6 +37,7 @@ from ._methods import replace_method
 from .checkpoint import host as host_checkpoint
 from .config import ENV_CONFIG_FILE, SelZeroConfig
 from .core.clip import clip_grad_norm_
+from .core.selection import resolve_selection
 from .core.window import WindowState
 from .core.zero2 import SelectedZero2
 from .errors import ConfigError, SelectionError, UsageError
@@ -96,6 +97,7 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
                          "prepare them together, e.g. accelerator.prepare(model, optimizer, "
                          "dataloader, scheduler).")
     model, host_opt = models[0], optimizers[0]
+    _check_optimizer_holds_selection(model, cfg, host_opt)
     if getattr(accelerator, "device_placement", True):
         # where prepare would put it, before selzero binds its segments to the parameters'
         # storage (moving the module later would replace that storage)
@@ -115,11 +117,33 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         out = accelerator.prepare(*objects, **prepare_kwargs)
     finally:
         accelerator._selzero_preparing = False
+    # prepare may have moved the model again (model.to(cpu:0) copies parameters that are on
+    # "cpu"): point selzero at the parameters' storage as it is now
+    sz.sync_from_params()
     prepared = list(out) if isinstance(out, (tuple, list)) else [out]
     wrapped_model = prepared[objects.index(model)]
     wrapped_opt = prepared[objects.index(host_opt)]
     _install(accelerator, sz, wrapped_model, wrapped_opt)
     return out
+
+
+def _check_optimizer_holds_selection(model: nn.Module, cfg: SelZeroConfig,
+                                     optimizer: torch.optim.Optimizer) -> None:
+    """Without selzero, a parameter the optimizer does not hold is not trained: refuse rather
+    than train it (selzero's optimizer mirrors the host's groups)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    try:
+        entries = resolve_selection(model, params=list(cfg.params), modules=list(cfg.modules),
+                                    expert_dim=cfg.expert_dim)
+    except SelectionError:
+        return  # SelectedZero2 reports it on every rank
+    missing = [e.name for e in entries if not e.frozen and id(e.param) not in held]
+    if missing:
+        raise UsageError(
+            f"selzero: {len(missing)} selected parameter(s) are not in the optimizer given to "
+            f"prepare, e.g. {missing[:3]}; without selzero they would not be trained. Add them "
+            "to the optimizer (selzero takes their group's hyperparameters) or leave them out of "
+            "params.")
 
 
 class _Holder:

@@ -559,7 +559,9 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
 
     @functools.wraps(orig_load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any,
-                        selzero_fresh_start: bool = False, **kwargs: Any) -> Any:
+                        selzero_fresh_start: bool | None = None, **kwargs: Any) -> Any:
+        if selzero_fresh_start is None:  # set by callers that cannot pass it (the HF Trainer)
+            selzero_fresh_start = bool(getattr(engine, "selzero_fresh_start", False))
         resolved = tag
         if resolved is None:  # DeepSpeed's rule: the tag in `latest`
             latest = os.path.join(load_dir, "latest_universal" if

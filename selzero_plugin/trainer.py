@@ -92,6 +92,13 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         if self.trainer is not None and self.trainer is not trainer:
             raise UsageError("SelectedZero2Callback: this callback is already attached to another "
                              "Trainer; give each Trainer its own SelectedZero2Callback(config).")
+        others = [cb for cb in trainer.callback_handler.callbacks
+                  if isinstance(cb, SelectedZero2Callback) and cb is not self]
+        if others:
+            raise UsageError(
+                f"SelectedZero2Callback: the Trainer has {len(others) + 1} of them; give it one, "
+                "whose config selects every parameter selzero should own (params takes a list "
+                "of patterns).")
         self.trainer = trainer
         if getattr(args, "fp16", False):
             raise ConfigError("SelectedZero2Callback with TrainingArguments(fp16=True): the loss "
@@ -113,9 +120,16 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
 
         @functools.wraps(original)
         def prepare(*objects: Any, **kwargs: Any) -> Any:
-            takes_over = getattr(acc, "selzero", None) is None \
+            models = [o for o in objects if isinstance(o, torch.nn.Module)]
+            built = getattr(acc, "selzero", None)
+            if built is not None and any(m is not built.model for m in models):
+                raise UsageError(
+                    "SelectedZero2Callback: the Trainer prepares a new model (model_init, "
+                    "hyperparameter_search, or a second train() that rebuilt it) but selzero is "
+                    "bound to the first one; build a new Trainer (with a new callback) for "
+                    "each model.")
+            takes_over = built is None and models \
                 and not getattr(acc, "_selzero_preparing", False) \
-                and any(isinstance(o, torch.nn.Module) for o in objects) \
                 and any(isinstance(o, torch.optim.Optimizer) for o in objects)
             if not takes_over:
                 return original(*objects, **kwargs)
@@ -130,7 +144,20 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
     def _via_deepspeed(self, trainer: Any) -> None:
         import selzero_plugin.deepspeed  # noqa: F401 - registers the wrapped deepspeed.initialize
 
-        ds = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+        acc = trainer.accelerator
+        if self.fresh_start:  # the Trainer's deepspeed_load_checkpoint cannot pass the flag
+            original = acc.prepare
+
+            @functools.wraps(original)
+            def prepare(*objects: Any, **kwargs: Any) -> Any:
+                out = original(*objects, **kwargs)
+                for o in out if isinstance(out, (tuple, list)) else [out]:
+                    if getattr(o, "selzero", None) is not None:
+                        o.selzero_fresh_start = True
+                return out
+
+            acc.prepare = prepare
+        ds = acc.state.deepspeed_plugin.deepspeed_config
         entry = ds.get("selected_zero2")
         if entry is None:
             ds["selected_zero2"] = self.config.to_dict()
@@ -188,6 +215,11 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
                 "SelectedZero2Callback: the Trainer started training but selzero was not built "
                 "(its accelerator.prepare(model, optimizer) did not run, e.g. a model wrapped "
                 "before the Trainer got it); pass the plain model to the Trainer.")
+        model = kwargs.get("model")
+        if model is not None and not self.trainer.is_deepspeed_enabled and model is not sz.model:
+            raise UsageError("SelectedZero2Callback: the Trainer trains another model than the "
+                             "one selzero was built on; build a new Trainer (with a new "
+                             "callback) for each model.")
         if self._resume is not None and not self.trainer.is_deepspeed_enabled:
             # the Trainer loaded the weights (before prepare, or after it under FSDP): refresh
             # the masters from them, then load the folder (masters and optimizer state)
@@ -221,8 +253,8 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         sz = self.selzero
         if sz is None:
             return control
-        run_dir = self.trainer._get_output_dir(trial=None) \
-            if hasattr(self.trainer, "_get_output_dir") else args.output_dir
+        run_dir = self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)) \
+            if hasattr(self.trainer, "_get_output_dir") else args.output_dir  # as _save_checkpoint
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if args.save_only_model:
             return control  # the Trainer saves no optimizer state either

@@ -1,7 +1,8 @@
 """HF Trainer runs with and without SelectedZero2Callback, several in one 2-process launch
 (suite time): ``torchrun --nproc_per_node 2 tests/_trainer_runs.py OUT MODEL VARIANT...``.
 
-A variant is ``fresh`` (see fresh()), ``ds`` / ``ds-sz0`` (DeepSpeed ZeRO-2 through
+A variant is ``fresh``, ``ds-fresh`` or ``refusals`` (see those functions), ``ds`` /
+``ds-sz`` / ``ds-sz0`` (DeepSpeed ZeRO-2 through
 ``TrainingArguments(deepspeed=...)``, without / with the callback), ``plain``, ``sz`` (experts fused, one parameter each) or ``sz0``
 (``expert_dim=0``); each trains 6 steps (gradient accumulation 2, clipping) saving every 2
 steps with ``save_total_limit=2``, then a fresh Trainer resumes from ``checkpoint-4``. Rank 0
@@ -35,6 +36,14 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_st
              "bf16": {"enabled": False}, "steps_per_print": 10 ** 9}
 
 
+class RankTokens(hf_train.Tokens):
+    """Each rank reads other sequences: under DeepSpeed on CPU, Accelerate 1.15 reports one
+    process and does not shard the Trainer's data, so ranks would otherwise route alike."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return super().__getitem__((i + 7 * dist.get_rank()) % len(self))
+
+
 def config_of(variant: str) -> dict | None:
     if variant in ("plain", "ds"):
         return None
@@ -47,7 +56,8 @@ def run(out: Path, model: str, variant: str) -> None:
 
     work = out / f"{model}-{variant}"
     routing: list = []
-    extra = {"deepspeed": dict(DS_CONFIG), "use_cpu": False} if variant.startswith("ds") else {}
+    extra = {"deepspeed": dict(DS_CONFIG), "use_cpu": False,
+             "train_dataset": RankTokens()} if variant.startswith("ds") else {}
     if extra:  # TrainingArguments takes the DeepSpeed path only without use_cpu / the variable
         os.environ.pop("ACCELERATE_USE_CPU", None)
     trainer = hf_train.build_trainer(model, str(work), config_of(variant), steps=6,
@@ -89,12 +99,80 @@ def fresh(out: Path, model: str) -> None:
         {"error": error, "steps": trainer.state.global_step}))
 
 
+def ds_fresh(out: Path, model: str) -> None:
+    """Resume stock DeepSpeed's checkpoint-4 with the callback: refused without fresh_start,
+    trained with it (the Trainer's deepspeed_load_checkpoint cannot pass the flag itself)."""
+    from selzero_plugin.errors import CheckpointError
+    from selzero_plugin.trainer import SelectedZero2Callback
+
+    work = out / f"{model}-ds" / "checkpoint-4"
+    extra = {"deepspeed": dict(DS_CONFIG), "use_cpu": False, "train_dataset": RankTokens()}
+    error = None
+    trainer = hf_train.build_trainer(model, str(out / "ds-fresh"), config_of("sz0"), steps=6,
+                                     weights_from=str(work), **extra)
+    try:
+        trainer.train(resume_from_checkpoint=str(work))
+    except CheckpointError as e:
+        error = str(e)
+    trainer = hf_train.build_trainer(
+        model, str(out / "ds-fresh"), SelectedZero2Callback(config_of("sz0"), fresh_start=True),
+        steps=6, weights_from=str(work), **extra)
+    trainer.train(resume_from_checkpoint=str(work))
+    (out / f"ds-fresh{dist.get_rank()}.json").write_text(json.dumps(
+        {"error": error, "steps": trainer.state.global_step}))
+
+
+def refusals(out: Path, model: str) -> None:
+    """Setups the callback refuses on every rank: an optimizer without the selected
+    parameters, two callbacks, a second model (model_init)."""
+    from transformers import Trainer
+
+    from selzero_plugin.errors import SelZeroError
+    from selzero_plugin.trainer import SelectedZero2Callback
+
+    seen: dict[str, str | None] = {}
+
+    def attempt(what: str, fn) -> None:
+        try:
+            fn()
+            seen[what] = None
+        except SelZeroError as e:
+            seen[what] = f"{type(e).__name__}: {e}"
+
+    def without_experts() -> None:
+        net = hf_train.build_model(model)
+        opt = torch.optim.AdamW([p for n, p in net.named_parameters() if ".experts." not in n])
+        Trainer(model=net, args=hf_train.training_args(str(out / "r1"), steps=1),
+                train_dataset=hf_train.Tokens(), optimizers=(opt, None),
+                callbacks=[SelectedZero2Callback(config_of("sz0"))]).train()
+
+    def two_callbacks() -> None:
+        Trainer(model=hf_train.build_model(model),
+                args=hf_train.training_args(str(out / "r2"), steps=1),
+                train_dataset=hf_train.Tokens(),
+                callbacks=[SelectedZero2Callback(config_of("sz0")),
+                           SelectedZero2Callback({"params": ["*.gate.*"], "name": "g"})])
+
+    def model_init_twice() -> None:
+        trainer = Trainer(model_init=lambda: hf_train.build_model(model),
+                          args=hf_train.training_args(str(out / "r3"), steps=1),
+                          train_dataset=hf_train.Tokens(),
+                          callbacks=[SelectedZero2Callback(config_of("sz0"))])
+        trainer.train()
+        trainer.train()
+
+    attempt("optimizer without experts", without_experts)
+    attempt("two callbacks", two_callbacks)
+    attempt("model_init twice", model_init_twice)
+    (out / f"refusals{dist.get_rank()}.json").write_text(json.dumps(seen))
+
+
 def main() -> None:
     out, model, variants = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     torch.set_num_threads(1)
     for variant in variants:
-        if variant == "fresh":
-            fresh(out, model)
+        if variant in ("fresh", "ds-fresh", "refusals"):
+            {"fresh": fresh, "ds-fresh": ds_fresh, "refusals": refusals}[variant](out, model)
         else:
             run(out, model, variant)
     hf_train.finish()

@@ -144,3 +144,36 @@ def test_clip_of_host_parameters_only_leaves_the_subset_alone():
                 acc.clip_grad_norm_(host + part, 0.1)
             acc.selzero.remove_hooks()
     assert abs(norms[0] - norms[1]) < 1e-6, norms
+
+
+def test_prepare_that_moves_the_model_again_keeps_selzero_bound(monkeypatch):
+    """Accelerate moves the model inside prepare (to ``cpu:0``, which copies parameters that
+    are on ``cpu``): selzero follows the new storage and trains it (before: it kept updating
+    the old storage, so the model's experts never changed)."""
+    import importlib.util
+
+    from accelerate import Accelerator
+
+    import selzero_plugin.accelerate as sa
+
+    spec = importlib.util.spec_from_file_location("t", ROOT / "integrations/ddp/train.py")
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
+    acc = Accelerator(cpu=True)
+    original = acc.prepare_model
+
+    def moving(model, *args, **kwargs):
+        model.to(torch.device("cpu", 0))  # copies every parameter
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(acc, "prepare_model", moving)
+    model = t.build_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = sa.prepare(acc, model, opt, config={"params": ["*.experts.*"]})
+    expert = next(p for n, p in model.named_parameters() if ".experts.0." in n)
+    before = expert.detach().clone()
+    x, y, _ = t.make_batch(0, 0, 0)
+    acc.backward(t.loss_fn(model, x, y, torch.zeros(x.shape[0], dtype=torch.long)))
+    opt.step()
+    assert not torch.equal(before, expert.detach())
+    acc.selzero.remove_hooks()

@@ -50,7 +50,7 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_mixtral")
-    return out, _launch(out, "mixtral", "plain", "sz0", "fresh")
+    return out, _launch(out, "mixtral", "plain", "sz0", "fresh", "refusals")
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -171,6 +171,25 @@ def test_resume_from_a_checkpoint_without_selzero(mixtral):
         assert got["steps"] == 6
 
 
+def test_setups_that_would_train_wrong_are_refused_on_every_rank(mixtral):
+    """An optimizer without the selected parameters (without selzero they are not trained),
+    two callbacks in one Trainer, a Trainer that builds a second model (model_init)."""
+    out, _ = mixtral
+    for rank in (0, 1):
+        seen = json.loads((out / f"refusals{rank}.json").read_text())
+        assert "are not in the optimizer given to prepare" in seen["optimizer without experts"]
+        assert "the Trainer has 2 of them" in seen["two callbacks"]
+        assert "prepares a new model (model_init" in seen["model_init twice"]
+
+
+def test_beside_deepspeed_fresh_start_resumes_a_checkpoint_without_selzero(deepspeed_runs):
+    out, _ = deepspeed_runs
+    for rank in (0, 1):
+        got = json.loads((out / f"ds-fresh{rank}.json").read_text())
+        assert "selzero_fresh_start=True" in got["error"], got
+        assert got["steps"] == 6
+
+
 def test_reduction_other_than_mean_is_refused():
     from selzero_plugin.errors import ConfigError
     from selzero_plugin.trainer import SelectedZero2Callback
@@ -192,7 +211,7 @@ def test_callback_outside_a_trainer_is_refused():
 def deepspeed_runs(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("trainer_deepspeed")
-    return out, _launch(out, "qwen3", "ds", "ds-sz", "ds-sz0")
+    return out, _launch(out, "qwen3", "ds", "ds-sz", "ds-sz0", "ds-fresh")
 
 
 def test_beside_deepspeed_the_entry_does_the_work(deepspeed_runs):
@@ -219,10 +238,13 @@ def test_beside_deepspeed_the_entry_does_the_work(deepspeed_runs):
     assert (work / "checkpoint-4" / "global_step4" / "selected_zero2" / "index.json").is_file()
 
 
-def test_beside_deepspeed_absent_experts_reach_the_log(deepspeed_runs):
-    """expert_dim=0 under DeepSpeed: experts that got no token anywhere are skipped (no update,
-    no decay) and the Trainer's log_history says how many."""
+def test_beside_deepspeed_the_figures_reach_the_log(deepspeed_runs):
+    """expert_dim=0 under DeepSpeed: every step's figures in log_history (the demo's Trainer
+    host shows skipped experts counted there: tests/test_demo.py), ranks routing differently."""
     out, _ = deepspeed_runs
     steps = _steps(json.loads((out / "ds-sz0.json").read_text())["full"])
-    assert all(s["selzero/updated"] + s["selzero/skipped_absent"] == 32 for s in steps)
-    assert any(s["selzero/skipped_absent"] > 0 for s in steps), steps
+    assert len(steps) == 6
+    assert all(s["selzero/updated"] + s["selzero/skipped_absent"] == 32 for s in steps), steps
+    r0 = json.loads((out / "ds-sz0.routing0.json").read_text())
+    r1 = json.loads((out / "ds-sz0.routing1.json").read_text())
+    assert [a for _, a in r0] != [a for _, a in r1]  # ranks read and route differently

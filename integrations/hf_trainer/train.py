@@ -78,7 +78,7 @@ def training_args(output_dir: str, *, steps: int, accumulate: int = 2, clip: flo
 
 def build_trainer(kind: str, output_dir: str, selzero: Any = None, *, steps: int = 6,
                   seed: int = 0, routing: list | None = None, weights_from: str | None = None,
-                  **args_kwargs: Any) -> Any:
+                  train_dataset: Any = None, **args_kwargs: Any) -> Any:
     """A Trainer on a fresh model; ``selzero``: a config for SelectedZero2Callback, the
     callback itself, or None.
     ``routing``, when given, collects per forward of each experts module the experts that got
@@ -99,7 +99,8 @@ def build_trainer(kind: str, output_dir: str, selzero: Any = None, *, steps: int
                          else SelectedZero2Callback(selzero))
     return Trainer(model=model, args=training_args(output_dir, steps=steps, seed=seed,
                                                    **args_kwargs),
-                   train_dataset=Tokens(seed=seed), callbacks=callbacks)
+                   train_dataset=train_dataset if train_dataset is not None else Tokens(seed=seed),
+                   callbacks=callbacks)
 
 
 def resume_model(checkpoint: str) -> torch.nn.Module:

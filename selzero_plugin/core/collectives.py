@@ -91,7 +91,8 @@ class BucketCollectives:
         self.max_alive = max_alive
         self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)  # 1D, N rows
         largest = max((spec.row_numel for spec in layout.buckets), default=0)
-        self.pool = BufferPool(comm.size * largest * 4, comm.device, keep=max_alive)
+        self.pool = BufferPool(comm.size * largest * 4, comm.device,
+                               keep=min(max_alive, len(layout.buckets)))  # no idle block
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.pending: deque[tuple[int, RowWork, torch.Tensor]] = deque()
         # launch order: bucket order (reverse model order) until the window adopts the order in

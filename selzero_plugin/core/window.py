@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..config import SelZeroConfig
 from ..errors import MissingGradientError, NonFiniteGradientError, UsageError
+from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator
 from .layout import Layout
@@ -129,6 +130,7 @@ class _Control:
         self.passed = self._take(units)
         self.order = self._take(units)  # group rank 0's order of unit post-backwards
         self.presence = self._take(virtuals)
+        self.binding = self._take(KINDS * entries)  # ranks that see each entry rebound
 
     def _take(self, n: int) -> slice:
         s = slice(self.size, self.size + n)
@@ -144,8 +146,9 @@ class ReductionWindow:
                  trainable: list[SelectedEntry], units: Units, model: nn.Module,
                  normalize_size: int,
                  normalize_weight: Callable[[torch.Tensor, bool], tuple[int, bool]] | None,
-                 control_comm: Callable[[], Communicator]) -> None:
+                 control_comm: Callable[[], Communicator], bindings: Bindings) -> None:
         self.config = config
+        self.bindings = bindings
         self.comm = comm
         self.layout = layout
         self.storage = storage
@@ -601,6 +604,8 @@ class ReductionWindow:
         if phase == _PHASE_REDUCE:
             vector[c.nonfinite] = self.storage.nonfinite().to(_I64)
             vector[c.presence] = self.window_presence
+            vector[c.binding] = torch.tensor(self.bindings.problems(), dtype=_I64,
+                                             device=self.comm.device)
         host = [0] * (c.late.stop - c.late.start + 2 * len(self.units.names))
         for t in self.late:
             host[t] = 1
@@ -677,7 +682,17 @@ class ReductionWindow:
                 f"launched at the post-backward of its launch unit(s) {units[:3]}: "
                 f"{late[:5]}. A parameter used outside its unit (or a unit called again inside "
                 "a checkpoint) needs a unit that contains every use: set launch_modules to such "
-                "a module, or overlap=False. The window was dropped on every rank.")
+                "a module, or overlap=False; a model run twice before one backward (two "
+                "forwards whose losses are summed) needs overlap=False. The window was dropped "
+                "on every rank.")
+        binding = values[c.binding]
+        for kind, fix in _BINDING_TEXT.items():
+            names = [self.trainable[t].name for t in range(len(self.trainable))
+                     if binding[KINDS * t + kind]]
+            if names:
+                return UsageError(
+                    f"{me} {len(names)} selected parameter(s) {fix[0]} after SelectedZero2 was "
+                    f"built: {names[:5]}. {fix[1]} The window was dropped on every rank.")
         opened = sum(values[c.opened])
         partial = [self.units.names[u] for u, n in enumerate(values[c.passed])
                    if 0 < n < opened] if self.launches_in_backward else []
@@ -833,6 +848,22 @@ def _as_int_weight(weight: Any) -> int | None:
     else:
         return None
     return weight if weight >= 0 else None
+
+
+_BINDING_TEXT = {
+    REPLACED: ("are no longer the model's parameter objects (load_state_dict(assign=True), "
+               "swap_tensors, a move that overwrites module parameters)",
+               "selzero's hooks and state sit on the old tensors: build SelectedZero2 after "
+               "replacing parameters (load in place, then sz.sync_from_params()), or call "
+               "sz.remove_hooks() and build a new instance."),
+    RECAST: ("changed dtype (model.to(dtype), .half(), .bfloat16())",
+             "Cast the model before building SelectedZero2."),
+    MOVED: ("have new storage (param.data = ..., a move to another device)",
+            "Call sz.sync_from_params() after moving or loading the parameters."),
+    EDITED: ("were changed in place (an in-place load into bf16/fp16 parameters)",
+             "Their FP32 masters would overwrite the change at the next step: call "
+             "sz.sync_from_params() after loading weights."),
+}
 
 
 def _describe_code(code: int, mode: str) -> str:

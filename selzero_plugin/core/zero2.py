@@ -26,6 +26,7 @@ from torch import nn
 
 from ..config import SelZeroConfig
 from ..errors import ConfigError, NonFiniteGradientError, SelectionError, SelZeroError, UsageError
+from .binding import KINDS, REPLACED, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
 from .contract import Field, agree_on_local_errors, check_contract
@@ -95,6 +96,7 @@ class SelectedZero2:
         self._build_parts(optimizer_kwargs or {})
         for e in self.entries:
             e.param._selzero_owner = weakref.ref(self)
+        self.window.bindings.record()
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -184,7 +186,8 @@ class SelectedZero2:
             collectives=self.collectives, trainable=self.trainable, units=self.units,
             model=self.model, normalize_size=len(self.normalize_ranks),
             normalize_weight=None if over_group else self._sum_over_normalize_ranks,
-            control_comm=self._control_communicator)
+            control_comm=self._control_communicator,
+            bindings=Bindings(self.model, self.trainable, self))
         self.window.install()
 
     # ---- communicators beyond the group (created at first use) --------------------------------
@@ -346,6 +349,7 @@ class SelectedZero2:
         if decision.updated:
             self.segment_optimizer.optimizer.step()
             self.collectives.all_gather_updated(decision.update)
+            self.window.bindings.record()
         result = StepResult(decision.global_weight, decision.updated, decision.skipped_absent,
                             decision.skipped_nonfinite)
         self.window.finish_step()
@@ -374,6 +378,7 @@ class SelectedZero2:
         self.storage.rebind()
         if values is None:
             self.storage.load_masters()
+            self.window.bindings.record()
             return
         missing = [e.name for e in self.trainable if e.name not in values]
         wrong = [e.name for e in self.trainable if e.name in values
@@ -391,8 +396,17 @@ class SelectedZero2:
             for e, value in zip(self.trainable, full):
                 e.param.data.copy_(value.view_as(e.param))
         self.storage.load_masters({e.name: v for e, v in zip(self.trainable, full)})
+        self.window.bindings.record()
 
     def _check_dtypes(self) -> None:
+        flags = self.window.bindings.problems()
+        replaced = [e.name for t, e in enumerate(self.trainable) if flags[KINDS * t + REPLACED]]
+        if replaced:
+            raise UsageError(f"parameters {replaced[:5]} are no longer the model's parameter "
+                             "objects (load_state_dict(assign=True), swap_tensors, ...): "
+                             "sync_from_params() cannot follow them. Load in place (then call "
+                             "sz.sync_from_params()), or call sz.remove_hooks() and build a new "
+                             "SelectedZero2.")
         for e in self.entries:
             if e.param.dtype != self._dtypes[e.name]:
                 raise UsageError(f"parameter {e.name!r} changed dtype to {e.param.dtype} after "
@@ -430,6 +444,7 @@ class SelectedZero2:
         optimizer.load_state_dict({"state": by_index,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
         self.collectives.all_gather_updated([True] * len(self.layout.virtuals))
+        self.window.bindings.record()
         self.window.finish_step()  # an idle window (checked before reading): nothing launched
 
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:

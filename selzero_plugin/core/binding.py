@@ -1,0 +1,76 @@
+"""Whether each selected parameter is still the tensor selzero was built on.
+
+[Note: bindings]
+selzero's hooks sit on the parameter objects, its fp32 segments view their storage and, for
+bf16/fp16 parameters, its FP32 masters are the truth the next all-gather writes back. Ordinary
+torch calls break that silently: ``load_state_dict(assign=True)`` or a move under
+``torch.__future__.set_overwrite_module_params_on_conversion`` puts new objects in the model
+(the hooks stay on the old ones: the subset stops training), ``swap_tensors`` moves the
+hooks' tensor away, ``model.to(dtype)`` changes the dtype (a bucket's gather would round other
+parameters), ``param.data = ...`` replaces the storage, and an in-place load into a bf16
+parameter is overwritten by the stale master at the next step. The reduction point checks all
+of that for every trainable entry (a few attribute reads each) and every rank raises the same
+error, naming the parameters and the fix (build selzero after such changes, or call
+``sz.sync_from_params()`` after an in-place load or a storage move).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .selection import SelectedEntry
+
+__all__ = ["Bindings", "REPLACED", "RECAST", "MOVED", "EDITED"]
+
+REPLACED, RECAST, MOVED, EDITED = 0, 1, 2, 3
+KINDS = 4
+
+
+@dataclass
+class _Binding:
+    module: nn.Module
+    attr: str
+    dtype: torch.dtype
+    storage: int
+    version: int | None  # bf16/fp16 parameters: the master is the truth
+
+
+class Bindings:
+    def __init__(self, model: nn.Module, trainable: list[SelectedEntry], owner: Any) -> None:
+        self.trainable = trainable
+        self.owner = owner  # the object the parameters' _selzero_owner weakref must point at
+        self.items: list[_Binding] = []
+        for e in trainable:
+            prefix, _, attr = e.name.rpartition(".")
+            module = model.get_submodule(prefix) if prefix else model
+            self.items.append(_Binding(module, attr, e.param.dtype, 0, None))
+        self.record()
+
+    def record(self) -> None:
+        """Take the current storage and, for non-fp32 parameters, the version as the bound
+        state (after construction, an all-gather, sync_from_params, a load)."""
+        for b, e in zip(self.items, self.trainable):
+            b.storage = e.param.untyped_storage().data_ptr()
+            b.version = e.param._version if e.param.dtype != torch.float32 else None
+
+    def problems(self) -> list[int]:
+        """Per trainable entry, KINDS flags (0/1) in the order REPLACED, RECAST, MOVED, EDITED."""
+        flags = [0] * (KINDS * len(self.items))
+        for t, (b, e) in enumerate(zip(self.items, self.trainable)):
+            p = e.param
+            owner = getattr(p, "_selzero_owner", None)
+            if b.module._parameters.get(b.attr) is not p or (
+                    owner is not None and owner() is not self.owner) or (
+                    self.owner is not None and owner is None):
+                flags[KINDS * t + REPLACED] = 1
+            elif p.dtype != b.dtype:
+                flags[KINDS * t + RECAST] = 1
+            elif p.untyped_storage().data_ptr() != b.storage:
+                flags[KINDS * t + MOVED] = 1
+            elif b.version is not None and p._version != b.version:
+                flags[KINDS * t + EDITED] = 1
+        return flags

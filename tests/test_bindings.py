@@ -1,0 +1,106 @@
+"""Parameters replaced, recast, moved or edited in place after SelectedZero2 was built: every
+rank raises the same error naming them (before: the subset silently stopped training, a gather
+rounded fp32 parameters to fp16, or a stale master reverted an in-place load)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selzero_plugin import SelectedZero2, UsageError
+
+from .dist_utils import all_errors, run_ranks
+from .models import ToyMoE, loss_fn, make_batch
+
+SELECT = {"params": ["experts.*"]}
+
+
+def _built(dtype: torch.dtype = torch.float32) -> tuple[ToyMoE, SelectedZero2]:
+    torch.manual_seed(0)
+    model = ToyMoE().to(dtype)
+    return model, SelectedZero2(model, SELECT, torch.optim.SGD, {"lr": 1e-3})
+
+
+def _train_step(model: ToyMoE, sz: SelectedZero2, rank: int = 0) -> None:
+    x, y = make_batch(0, rank)
+    loss_fn(model, x.to(model.inp.weight.dtype), y.to(model.inp.weight.dtype),
+            torch.arange(6) % 4).backward()
+    sz.step()
+
+
+def test_load_state_dict_assign_is_refused_and_sync_cannot_follow():
+    model, sz = _built()
+    _train_step(model, sz)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # new Parameter objects
+    with pytest.raises(UsageError, match=r"no longer the model's parameter objects.*"
+                                         r"experts\.0\.w1\.weight"):
+        _train_step(model, sz)
+    with pytest.raises(UsageError, match="sync_from_params\\(\\) cannot follow them"):
+        sz.sync_from_params()
+
+
+def test_swap_tensors_is_refused():
+    model, sz = _built()
+    old = model.experts[0].w1.weight
+    torch.utils.swap_tensors(old, torch.nn.Parameter(old.detach().clone()))
+    with pytest.raises(UsageError, match="no longer the model's parameter objects"):
+        _train_step(model, sz)
+
+
+def test_a_dtype_cast_is_refused_at_the_step():
+    model, sz = _built()
+    model.experts[3].half()  # one expert only: a bucket would gather in fp16
+    with pytest.raises(UsageError, match=r"changed dtype.*experts\.3\.w1\.weight"):
+        x, y = make_batch(0, 0)
+        out = model.out(torch.relu(model.inp(x)))  # dense only: experts untouched by autograd
+        (out - y).pow(2).mean().backward()
+        sz.step()
+
+
+def test_new_storage_needs_sync_from_params_and_then_trains():
+    model, sz = _built()
+    w = model.experts[1].w1.weight
+    w.data = w.data.clone() + 1.0  # new storage, as a device move does
+    with pytest.raises(UsageError, match=r"have new storage.*sync_from_params"):
+        _train_step(model, sz)
+    sz.sync_from_params()
+    before = w.detach().clone()
+    _train_step(model, sz)
+    assert not torch.equal(before, w.detach())  # trains on the new storage
+
+
+def test_in_place_load_into_bf16_needs_sync_from_params():
+    model, sz = _built(torch.bfloat16)
+    _train_step(model, sz)
+    with torch.no_grad():
+        model.experts[0].w1.weight.fill_(0.5)  # an in-place load: the master is stale
+    with pytest.raises(UsageError, match=r"changed in place.*FP32 masters"):
+        _train_step(model, sz)
+    sz.sync_from_params()
+    _train_step(model, sz)
+    assert (model.experts[0].w1.weight.float() - 0.5).abs().max() < 1e-2  # not reverted
+
+
+def test_fp32_in_place_edits_are_fine():
+    model, sz = _built()
+    with torch.no_grad():
+        model.experts[0].w1.weight.fill_(0.5)  # fp32: the parameter is its own master
+    _train_step(model, sz)
+    assert (model.experts[0].w1.weight - 0.5).abs().max() < 1e-2
+
+
+def _assign_on_rank_1(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = ToyMoE()
+    sz = SelectedZero2(model, SELECT, torch.optim.SGD, {"lr": 1e-3})
+    if rank == 1:
+        model.experts.load_state_dict(
+            {k: v.clone() for k, v in model.experts.state_dict().items()}, assign=True)
+    _train_step(model, sz, rank)
+
+
+def test_a_replacement_on_one_rank_is_raised_on_every_rank():
+    outcomes = run_ranks(_assign_on_rank_1, 2, timeout=120)
+    errors = all_errors(outcomes, "UsageError")
+    assert all("no longer the model's parameter objects" in e for e in errors), errors
