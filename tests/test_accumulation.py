@@ -73,8 +73,8 @@ def _reduction_point(buckets: list, world: int, out: dict[str, Any]) -> list[tup
     # one control vector, whatever the phase: per rank its call signature and three flags
     # (second backward, dropped windows, opened); active, weight, non-finite; a late-gradient
     # flag per entry; per launch unit a fired count and group rank 0's order of passing;
-    # presence per virtual parameter
-    size = 4 * world + 3 + out["entries"] + 2 * out["units"] + out["virtuals"]
+    # presence per virtual parameter; four binding flags per entry (core/binding.py)
+    size = 4 * world + 3 + out["entries"] + 2 * out["units"] + out["virtuals"] + 4 * out["entries"]
     expected.append(("all_reduce", size, I64))
     return expected
 
