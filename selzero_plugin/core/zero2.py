@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 from typing import Any, Iterator, Mapping, Protocol
 
@@ -97,6 +98,8 @@ class SelectedZero2:
         for e in self.entries:
             e.param._selzero_owner = weakref.ref(self)
         self.window.bindings.record()
+        if distributed:
+            _warn_group_mean(config, self.normalize_ranks, ranks, self.comm.rank)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -475,6 +478,25 @@ def _io() -> CheckpointIO:
         raise UsageError("selzero's checkpoint code is not loaded; import selzero_plugin (the "
                          "package) rather than its core module alone.")
     return _checkpoint_io
+
+
+def _warn_group_mean(config: SelZeroConfig, normalize: list[int], ranks: list[int],
+                     group_rank: int) -> None:
+    """Once, on group rank 0: ``mean`` over a group smaller than the world is the expert-
+    parallel mistake the peers made (expert gradients scaled by the EP size)."""
+    world = dist.get_world_size()
+    if config.reduction != "mean" or config.normalize_over != "group" or normalize != ranks \
+            or len(ranks) >= world or group_rank != 0:
+        return
+    factor = world / len(ranks)
+    warnings.warn(
+        f"selzero {config.name!r}: reduction='mean' with normalize_over='group' divides the "
+        f"gradients by this group's size {len(ranks)}, not by the world's {world}. Under expert "
+        f"parallelism (experts sharded over expert-parallel ranks, the loss averaged over all "
+        f"{world} data-parallel ranks) expert gradients arrive summed over the expert-parallel "
+        f"ranks, so that is {factor:g}x too large: set normalize_over='world' (or the "
+        "data-parallel ranks' list). Ignore this only if the loss is averaged over this group "
+        "alone.", UserWarning, stacklevel=3)
 
 
 def _normalize_ranks(normalize_over: Any, group: list[int]) -> list[int]:
