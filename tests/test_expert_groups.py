@@ -48,18 +48,23 @@ def test_bad_or_inconsistent_ep_size_is_refused_on_every_rank():
     assert all("the ranks passed different values (from 1 to 2" in e for e in errors), errors
 
 
-def _build(rank: int, world: int, normalize_over: str) -> list[str]:
+def _build(rank: int, world: int) -> dict[str, list[str]]:
     g = expert_data_parallel(2)
-    torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        SelectedZero2(ToyMoE(), {"params": ["experts.*"], "normalize_over": normalize_over},
-                      torch.optim.SGD, {"lr": 0.1}, group=g.expert_data_parallel).remove_hooks()
-    return [str(w.message) for w in seen if "normalize_over" in str(w.message)]
+    seen_by: dict[str, list[str]] = {}
+    for normalize_over in ("group", "world"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            SelectedZero2(ToyMoE(), {"params": ["experts.*"], "normalize_over": normalize_over},
+                          torch.optim.SGD, {"lr": 0.1}, group=g.expert_data_parallel
+                          ).remove_hooks()
+        seen_by[normalize_over] = [str(w.message) for w in seen
+                                   if "normalize_over" in str(w.message)]
+    return seen_by
 
 
 def test_mean_over_a_group_smaller_than_the_world_warns_naming_the_factor():
-    got = all_values(run_ranks(_build, 4, "group", timeout=120))
-    assert [len(w) for w in got] == [1, 1, 0, 0]  # group rank 0 of each group
-    assert "2x too large: set normalize_over='world'" in got[0][0]
-    assert all_values(run_ranks(_build, 4, "world", timeout=120)) == [[], [], [], []]
+    got = all_values(run_ranks(_build, 4, timeout=120))
+    assert [len(v["group"]) for v in got] == [1, 1, 0, 0]  # group rank 0 of each group
+    assert "2x too large: set normalize_over='world'" in got[0]["group"][0]
+    assert all(v["world"] == [] for v in got)

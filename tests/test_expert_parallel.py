@@ -98,7 +98,8 @@ def _train(rank: int, world: int, ep: int) -> dict:
             "dead_moved": dead_moved, "skipped": skipped, "experts": len(model.moe.experts)}
 
 
-@pytest.mark.parametrize("ep", [2, 4, 1])
+# EP 1 (one group over the world) is the plain case the rest of the suite covers
+@pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_equals_one_process_holding_every_expert(ep):
     got = all_values(run_ranks(_train, 4, ep, timeout=240))
     for v in got:
