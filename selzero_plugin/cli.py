@@ -22,8 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None,
                       help="folder for the demo's checkpoint (default: a temporary folder)")
     demo.add_argument("--host", default="ddp", choices=["ddp", "accelerate", "trainer", "deepspeed"],
-                      help="the strategy for the other parameters: DDP (default) or DeepSpeed "
-                           "ZeRO-2 with the \"selected_zero2\" entry")
+                      help="the entry point: plain DDP (default), Accelerate, the HF Trainer "
+                           "callback, or DeepSpeed ZeRO-2 with the \"selected_zero2\" entry")
+    demo.add_argument("--ep", type=int, default=None,
+                      help="expert parallelism: experts sharded over E ranks with token exchange "
+                           "(e.g. --ep 2 --nproc 4), beside a one-process reference")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint folder; --verify checks it")
     inspect.add_argument("folder", help="a checkpoint folder (holds manifest.json)")
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import launch
 
-        return launch(nproc=args.nproc, steps=args.steps, out=args.out, host=args.host)
+        return launch(nproc=args.nproc, steps=args.steps, out=args.out, host=args.host,
+                      ep=args.ep)
     if args.command in ("inspect", "reshard", "consolidate"):
         from .checkpoint import tools
 

@@ -54,7 +54,8 @@ _TOPIC_WEIGHTS = {
 # ---- launcher ---------------------------------------------------------------------------
 
 
-def launch(nproc: int, steps: int, out: str | None, host: str = "ddp") -> int:
+def launch(nproc: int, steps: int, out: str | None, host: str = "ddp", ep: int | None = None
+           ) -> int:
     """Run the demo on ``nproc`` local gloo processes; return 0 if every worker succeeded.
 
     torch's launcher runs in this process (one torch import saved); its workers get
@@ -67,6 +68,10 @@ def launch(nproc: int, steps: int, out: str | None, host: str = "ddp") -> int:
     if host not in HOSTS:
         print(f"selzero demo: --host {host!r}: expected one of {', '.join(HOSTS)}.",
               file=sys.stderr)
+        return 2
+    if ep is not None and (ep < 1 or nproc % ep or NUM_EXPERTS % ep or host != "ddp"):
+        print(f"selzero demo: --ep {ep}: expected a divisor of --nproc {nproc} and of the "
+              f"{NUM_EXPERTS} experts, with --host ddp.", file=sys.stderr)
         return 2
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -82,10 +87,11 @@ def launch(nproc: int, steps: int, out: str | None, host: str = "ddp") -> int:
         with tempfile.TemporaryDirectory(prefix="selzero-demo-") as tmp:
             where = ["--out", out] if out is not None else \
                 ["--out", os.path.join(tmp, "checkpoint"), "--temporary"]
+            program = ["selzero_plugin.demo_ep", "--ep", str(ep)] if ep is not None else \
+                ["selzero_plugin.demo", "--host", host, *where]
             torchrun([f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1",
                       f"--master-port={_free_port()}", "--log-dir", os.path.join(tmp, "logs"),
-                      "-m", "selzero_plugin.demo", "--steps", str(steps), "--host", host,
-                      *where])
+                      "-m", program[0], "--steps", str(steps), *program[1:]])
         return 0
     except ChildFailedError:
         return 1  # torchrun has printed which rank failed; the worker printed its traceback
@@ -149,10 +155,11 @@ class DemoMoELayer(nn.Module):
 class DemoMoE(nn.Module):
     """Dense input and output layers (DDP) around ``layers`` MoE layers (experts: selzero)."""
 
-    def __init__(self, cfg: DemoConfig) -> None:
+    def __init__(self, cfg: DemoConfig, layer: Any = None) -> None:
         super().__init__()
         self.inp = nn.Linear(cfg.dim, cfg.dim)
-        self.layers = nn.ModuleList(DemoMoELayer(cfg.dim, cfg.hidden) for _ in range(cfg.layers))
+        make = layer or (lambda: DemoMoELayer(cfg.dim, cfg.hidden))
+        self.layers = nn.ModuleList(make() for _ in range(cfg.layers))
         self.out = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor, topics: torch.Tensor) -> torch.Tensor:

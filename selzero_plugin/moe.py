@@ -15,6 +15,7 @@ tests can make it uneven, leave experts without tokens, and differ by rank.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +23,18 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["Expert", "ExpertParallelMoE"]
+
+
+def _all_to_all(output: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
+                in_splits: list[int], group: Any) -> torch.Tensor:
+    """Differentiable uneven all-to-all: torch's eager one, checked on gloo with uneven splits
+    (research/torch-facts.md); torch 2.13 marks it deprecated in favour of functional
+    collectives, so its FutureWarning is silenced here."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return all_to_all_single(output, tensor, out_splits, in_splits, group=group)
 
 
 class Expert(nn.Module):
@@ -67,10 +80,7 @@ class ExpertParallelMoE(nn.Module):
             s, r = send.tolist(), recv.tolist()
             got_experts = torch.empty(sum(r), dtype=experts.dtype, device=x.device)
             dist.all_to_all_single(got_experts, experts, r, s, group=self.ep_group)
-            from torch.distributed.nn.functional import all_to_all_single
-
-            got = all_to_all_single(x.new_empty(sum(r), x.shape[1]), inputs, r, s,
-                                    group=self.ep_group)
+            got = _all_to_all(x.new_empty(sum(r), x.shape[1]), inputs, r, s, self.ep_group)
         else:
             got, got_experts = inputs, experts
         out = torch.zeros_like(got)
@@ -79,7 +89,7 @@ class ExpertParallelMoE(nn.Module):
             if idx.numel():  # an expert without tokens here gets no gradient from this rank
                 out = out.index_add(0, idx, expert(got[idx]))
         if self.ep_size > 1:
-            back = all_to_all_single(x.new_empty(inputs.shape), out, s, r, group=self.ep_group)
+            back = _all_to_all(x.new_empty(inputs.shape), out, s, r, self.ep_group)
         else:
             back = out
         y = torch.zeros_like(x)

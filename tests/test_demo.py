@@ -99,3 +99,28 @@ def test_demo_through_accelerate_and_the_trainer_prints_the_same_report(host, la
     assert "bit-identical to its start" in out
     assert "replicas identical after training: yes" in out
     assert "AdamW state match exactly" in out
+
+
+def test_demo_with_expert_parallelism_matches_its_one_process_reference():
+    """`selzero demo --ep 2 --nproc 4`: experts per rank, per-rank memory, the global norm
+    beside one process holding every expert, skipped updates of the never-routed expert."""
+    proc = _run_demo("--ep", "2", "--nproc", "4", "--steps", "6", timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+    assert not proc.stderr.strip(), proc.stderr
+    rows = re.findall(r"^\s+(\d)\s+(\[[\d, ]+\])\s+([\d,.]+) KiB\s+([\d,.]+) KiB\s+([\d.]+)$",
+                      out, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("0", "[0, 1, 2, 3]"), ("1", "[4, 5, 6, 7]"),
+                                            ("2", "[0, 1, 2, 3]"), ("3", "[4, 5, 6, 7]")], out
+    assert all(0.0 < float(r[4]) <= 0.5 for r in rows), out
+    gap = float(re.search(r"largest relative gap ([\d.e+-]+)", out).group(1))
+    assert gap < 1e-5, out
+    skipped = re.search(r"per group: \[(\d+), (\d+)\]", out).groups()
+    assert int(skipped[0]) == 0 and int(skipped[1]) > 0, out  # expert 7 is held by group 1
+    assert launch_refuses_bad_ep()
+
+
+def launch_refuses_bad_ep() -> bool:
+    from selzero_plugin.demo import launch
+
+    return launch(nproc=4, steps=3, out=None, ep=3) == 2
