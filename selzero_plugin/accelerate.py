@@ -98,6 +98,14 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
                          "dataloader, scheduler).")
     model, host_opt = models[0], optimizers[0]
     _check_optimizer_holds_selection(model, cfg, host_opt)
+    if fsdp and str(accelerator.mixed_precision) != "no":
+        # Accelerate's FSDP2 prepare upcasts every trainable non-fp32 parameter to fp32
+        # (fsdp_utils.fsdp2_prepare_model): do the same to the selected ones first, so selzero
+        # is built on the dtype they train in
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != torch.float32 and p.is_floating_point():
+                    p.data = p.data.to(torch.float32)
     if getattr(accelerator, "device_placement", True):
         # where prepare would put it, before selzero binds its segments to the parameters'
         # storage (moving the module later would replace that storage)

@@ -696,7 +696,9 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # A client optimizer's group that held a selected parameter is mirrored: its scheduled
     # values are re-read at every step. DeepSpeed drops groups that end up empty (they held
     # only selected parameters): those are mirrored with the values they had, unscheduled.
-    inserted: list[tuple[dict[str, Any], Any]] = []
+    # the groups' own lists are left untouched (DeepSpeed's FP16_UnfusedOptimizer shares them
+    # as its fp32_groups and would save what was appended): appended to copies, put back after
+    originals: dict[int, tuple[dict[str, Any], Any]] = {}
     dropped: list[dict[str, Any]] = []
     basic = engine.basic_optimizer
     live = len(basic.param_groups)
@@ -708,8 +710,10 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 continue
             if id(group) not in live_ids and all(group is not d for d in dropped):
                 dropped.append(group)
+            if id(group) not in originals:
+                originals[id(group)] = (group, group["params"])
+                group["params"] = list(group["params"])
             group["params"].append(e.param)
-            inserted.append((group, e.param))
         basic.param_groups.extend(dropped)  # for the mirror plan only, removed below
     if snapshot is not None and (not sz_config.broadcast or ep is not None):
         with torch.no_grad():  # undo DeepSpeed's broadcast of the selected parameters
@@ -719,8 +723,8 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         sz = SelectedZero2(engine.module, sz_config, opt, opt_kwargs, group=sz_group)
     finally:
         del basic.param_groups[live:]
-        for group, p in inserted:
-            group["params"] = [q for q in group["params"] if q is not p]
+        for group, params in originals.values():
+            group["params"] = params
     for plan in sz.segment_optimizer.plans:
         if plan.host_group is not None and plan.host_group >= live:
             plan.host_group = None  # a dropped group: its values stay as they were

@@ -126,6 +126,8 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     selected_ids = {id(e.param) for e in sz.entries}
     ds_state = set(map(id, engine.basic_optimizer.state))
     ds_groups = {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]}
+    for groups in (getattr(engine.optimizer, "fp32_groups", None) or []):  # wrappers' own lists
+        ds_groups |= {id(p) for p in groups if isinstance(p, torch.Tensor)}
     steps_taken = sorted({float(st["step"]) for st in sz.optimizer.state.values()})
     return {"params": params, "norms": norms, "stage": stage, "lrs": lrs,
             "applied": applied, "moved": moved,

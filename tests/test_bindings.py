@@ -9,7 +9,7 @@ import torch
 
 from selzero_plugin import SelectedZero2, UsageError
 
-from .dist_utils import all_errors, run_ranks
+from .dist_utils import all_errors, all_values, run_ranks
 from .models import ToyMoE, loss_fn, make_batch
 
 SELECT = {"params": ["experts.*"]}
@@ -104,3 +104,37 @@ def test_a_replacement_on_one_rank_is_raised_on_every_rank():
     outcomes = run_ranks(_assign_on_rank_1, 2, timeout=120)
     errors = all_errors(outcomes, "UsageError")
     assert all("no longer the model's parameter objects" in e for e in errors), errors
+
+
+def test_a_replaced_module_is_refused():
+    import copy
+
+    model, sz = _built()
+    model.experts[0] = copy.deepcopy(model.experts[0])  # its parameters are new objects
+    with pytest.raises(UsageError, match=r"no longer the model's parameter objects.*experts\.0"):
+        _train_step(model, sz)
+
+
+def _fsdp2_bf16_model(rank: int, world: int) -> tuple[str, bool]:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from selzero_plugin.accelerate import prepare
+
+    acc = Accelerator(mixed_precision="bf16")
+    acc.state.distributed_type = DistributedType.FSDP  # Accelerate picks FSDP on GPUs only
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    torch.manual_seed(0)
+    model = ToyMoE().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = prepare(acc, model, opt, config=SELECT)
+    w = model.experts[0].w1.weight
+    return str(w.dtype), acc.selzero.master_flat.numel() == 0  # fp32: no separate masters
+
+
+def test_fsdp2_with_bf16_mixed_precision_upcasts_the_selected_parameters_first():
+    """Accelerate's FSDP2 prepare upcasts trainable bf16 parameters to fp32; selzero is built
+    after the same upcast of its own (before: refused as "changed dtype" inside prepare)."""
+    pytest.importorskip("accelerate")
+    (dtype, no_masters), = all_values(run_ranks(_fsdp2_bf16_model, 1, timeout=120))
+    assert dtype == "torch.float32" and no_masters

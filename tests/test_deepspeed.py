@@ -68,6 +68,17 @@ def test_client_optimizer_object(stage, ref):
     _check(runs, ref, bf16=False)
 
 
+def test_client_optimizer_at_stage_0_bf16_saves(tmp_path):
+    """What the HF Trainer passes (a client optimizer) at ZeRO-0 bf16: DeepSpeed's
+    FP16_UnfusedOptimizer shares the groups' lists as its fp32_groups; they never hold a
+    selected parameter, so save_checkpoint works (before: cannot pickle a weakref)."""
+    runs = all_values(run_ranks(train_deepspeed, 2, 0, True, steps=2, client_optimizer=True,
+                                save_at=2, save_dir=str(tmp_path), timeout=240, env=ENV))
+    assert all(r["wrapper"] == "FP16_UnfusedOptimizer" for r in runs)
+    assert all(r["ds_groups_hold_selected"] == 0 for r in runs)
+    assert (tmp_path / "global_step2" / "selected_zero2" / "index.json").is_file()
+
+
 @pytest.mark.parametrize("groups", ["experts_group", "mixed_groups"])
 def test_client_optimizer_groups(groups):
     """A client optimizer whose groups give the experts another lr and no weight decay: each

@@ -5,10 +5,13 @@ selzero's hooks sit on the parameter objects, its fp32 segments view their stora
 bf16/fp16 parameters, its FP32 masters are the truth the next all-gather writes back. Ordinary
 torch calls break that silently: ``load_state_dict(assign=True)`` or a move under
 ``torch.__future__.set_overwrite_module_params_on_conversion`` puts new objects in the model
-(the hooks stay on the old ones: the subset stops training), ``swap_tensors`` moves the
+(the hooks stay on the old ones: the subset stops training), so does replacing the module
+that holds them (``model.experts[0] = copy.deepcopy(...)``), ``swap_tensors`` moves the
 hooks' tensor away, ``model.to(dtype)`` changes the dtype (a bucket's gather would round other
 parameters), ``param.data = ...`` replaces the storage, and an in-place load into a bf16
-parameter is overwritten by the stale master at the next step. The reduction point checks all
+parameter is overwritten by the stale master at the next step (an in-place write through
+``param.data`` leaves no trace in the parameter's version counter: it is not detected, call
+``sz.sync_from_params()`` after one). The reduction point checks all
 of that for every trainable entry (a few attribute reads each) and every rank raises the same
 error, naming the parameters and the fix (build selzero after such changes, or call
 ``sz.sync_from_params()`` after an in-place load or a storage move).
@@ -32,7 +35,7 @@ KINDS = 4
 
 @dataclass
 class _Binding:
-    module: nn.Module
+    prefix: str  # the owning module's name, looked up at every check (it may be replaced)
     attr: str
     dtype: torch.dtype
     storage: int
@@ -41,13 +44,13 @@ class _Binding:
 
 class Bindings:
     def __init__(self, model: nn.Module, trainable: list[SelectedEntry], owner: Any) -> None:
+        self.model = model
         self.trainable = trainable
         self.owner = owner  # the object the parameters' _selzero_owner weakref must point at
         self.items: list[_Binding] = []
         for e in trainable:
             prefix, _, attr = e.name.rpartition(".")
-            module = model.get_submodule(prefix) if prefix else model
-            self.items.append(_Binding(module, attr, e.param.dtype, 0, None))
+            self.items.append(_Binding(prefix, attr, e.param.dtype, 0, None))
         self.record()
 
     def record(self) -> None:
@@ -60,10 +63,18 @@ class Bindings:
     def problems(self) -> list[int]:
         """Per trainable entry, KINDS flags (0/1) in the order REPLACED, RECAST, MOVED, EDITED."""
         flags = [0] * (KINDS * len(self.items))
+        modules: dict[str, nn.Module | None] = {}
         for t, (b, e) in enumerate(zip(self.items, self.trainable)):
             p = e.param
             owner = getattr(p, "_selzero_owner", None)
-            if b.module._parameters.get(b.attr) is not p or (
+            if b.prefix not in modules:
+                try:
+                    modules[b.prefix] = self.model.get_submodule(b.prefix) if b.prefix \
+                        else self.model
+                except AttributeError:
+                    modules[b.prefix] = None
+            module = modules[b.prefix]
+            if module is None or module._parameters.get(b.attr) is not p or (
                     owner is not None and owner() is not self.owner) or (
                     self.owner is not None and owner is None):
                 flags[KINDS * t + REPLACED] = 1
