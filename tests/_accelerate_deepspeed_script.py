@@ -53,4 +53,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from selzero_plugin.process_exit import exit_after
+
+    exit_after(main)  # ends with os._exit: see [Note: gloo teardown]

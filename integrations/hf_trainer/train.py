@@ -177,4 +177,6 @@ def finish() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    from selzero_plugin.process_exit import exit_after
+
+    exit_after(main)  # ends with os._exit: see [Note: gloo teardown] in that module
