@@ -2,7 +2,7 @@
 (suite time): ``torchrun --nproc_per_node 2 tests/_trainer_runs.py OUT MODEL VARIANT...``.
 
 A variant is ``fresh``, ``ds-fresh`` or ``refusals`` (see those functions), ``ds`` /
-``ds-sz`` / ``ds-sz0`` (DeepSpeed ZeRO-2 through
+``ds-sz`` / ``ds-sz0``, ``sz-norms`` (experts and the no-decay norm weights) (DeepSpeed ZeRO-2 through
 ``TrainingArguments(deepspeed=...)``, without / with the callback), ``plain``, ``sz`` (experts fused, one parameter each) or ``sz0``
 (``expert_dim=0``); each trains 6 steps (gradient accumulation 2, clipping) saving every 2
 steps with ``save_total_limit=2``, then a fresh Trainer resumes from ``checkpoint-4``. Rank 0
@@ -47,6 +47,8 @@ class RankTokens(hf_train.Tokens):
 def config_of(variant: str) -> dict | None:
     if variant in ("plain", "ds"):
         return None
+    if variant == "sz-norms":  # also the RMSNorm weights, in the Trainer's no-decay group
+        return {"params": [*SELECT, "*layernorm.weight"], "bucket_mb": 0.01}
     return {"params": SELECT, "bucket_mb": 0.01,
             **({"expert_dim": 0} if variant.endswith("sz0") else {})}
 

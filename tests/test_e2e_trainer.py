@@ -44,7 +44,7 @@ def _launch(out: Path, model: str, *variants: str) -> str:
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_qwen3")
-    return out, _launch(out, "qwen3", "plain", "sz", "sz0")
+    return out, _launch(out, "qwen3", "plain", "sz", "sz0", "sz-norms")
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,17 @@ def test_resume_matches_the_trainer_resumed_without_selzero(request, model, vari
     log = json.loads((out / f"{variant}.json").read_text())
     assert [h["grad_norm"] for h in _steps(log["resumed"])] == \
         [h["grad_norm"] for h in _steps(log["full"])]
+
+
+def test_parameters_of_the_no_decay_group_get_no_weight_decay(qwen3):
+    """Selected RMSNorm weights sit in the Trainer's no-decay group: selzero mirrors that group
+    (weight decay 0.1 on them would move them away from the plain Trainer's)."""
+    out, _ = qwen3
+    _assert_close(_load(out / "sz-norms.safetensors"), _load(out / "plain.safetensors"))
+    _assert_close(_load(out / "sz-norms.resumed.safetensors"),
+                  _load(out / "plain.resumed.safetensors"))
+    steps = _steps(json.loads((out / "sz-norms.json").read_text())["full"])
+    assert all(s["selzero/updated"] == 4 + 2 * 2 for s in steps), steps  # + 2 norms per layer
 
 
 def test_routing_differs_by_rank(qwen3, mixtral):
