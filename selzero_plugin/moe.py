@@ -10,7 +10,9 @@ differentiable one from ``torch.distributed.nn.functional``), runs the local exp
 arrived, and sends the outputs back; the backward runs the same exchange in reverse, so each
 expert's gradient is summed over every token routed to it from any rank of the expert-parallel
 group. Routing is the caller's (``routes``: one global expert per token, ``-1`` for none), so
-tests can make it uneven, leave experts without tokens, and differ by rank.
+tests can make it uneven, leave experts without tokens, and differ by rank. Every rank takes
+part in every exchange of the forward and the backward, also one that sends or receives no
+token (its expert outputs stay connected to what it received).
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ class ExpertParallelMoE(nn.Module):
             got = _all_to_all(x.new_empty(sum(r), x.shape[1]), inputs, r, s, self.ep_group)
         else:
             got, got_experts = inputs, experts
-        out = torch.zeros_like(got)
+        # connected to `got` even when no local expert runs: every rank's backward must reach
+        # the reverse exchange, or the ranks that do wait for it forever
+        out = got * 0
         for i, expert in enumerate(self.experts):
             idx = (got_experts == i).nonzero().flatten()
             if idx.numel():  # an expert without tokens here gets no gradient from this rank
