@@ -80,11 +80,17 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
     @property
     def selzero(self) -> Any:
         """The SelectedZero2 instance (None before training starts)."""
+        return getattr(self._owner(), "selzero", None)
+
+    def _owner(self) -> Any:
+        """What holds ``selzero`` and ``selzero_step_result``: the Trainer's accelerator (DDP,
+        one process) or the DeepSpeed engine."""
         if self.trainer is None:
             return None
         acc = self.trainer.accelerator
-        return getattr(acc, "selzero", None) or getattr(
-            getattr(self.trainer, "model_wrapped", None), "selzero", None)
+        if getattr(acc, "selzero", None) is not None:
+            return acc
+        return getattr(self.trainer, "model_wrapped", None)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None,
                     **kwargs: Any) -> Any:
@@ -235,9 +241,7 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        owner = self.trainer.accelerator if getattr(self.trainer.accelerator, "selzero", None) \
-            is not None else getattr(self.trainer, "model_wrapped", None)
-        result = getattr(owner, "selzero_step_result", None)
+        result = getattr(self._owner(), "selzero_step_result", None)
         if result is not None:
             self._figures["selzero/updated"] += result.updated
             self._figures["selzero/skipped_absent"] += result.skipped_absent
