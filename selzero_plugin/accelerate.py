@@ -247,8 +247,7 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
     @functools.wraps(orig_save)
     def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
         location = orig_save(output_dir, *args, **kwargs)
-        host_checkpoint.save_into(location, [sz], rank=dist.get_rank()
-                                  if dist.is_initialized() else 0)
+        host_checkpoint.save_into(location, [sz])
         return location
 
     @functools.wraps(orig_load)

@@ -29,15 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
                            "(e.g. --ep 2 --nproc 4), beside a one-process reference")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint folder; --verify checks it")
-    inspect.add_argument("folder", help="a checkpoint folder (holds manifest.json)")
+    inspect.add_argument("folder", help="an instance folder (manifest.json), or the selzero "
+                                        "folder (index.json) or the checkpoint holding it")
     inspect.add_argument("--verify", action="store_true",
                          help="check every shard's presence, size, sha256 and tensors "
                               "(exit code 1 on any problem)")
 
-    reshard = sub.add_parser("reshard", help="rewrite a checkpoint for a group of M ranks")
-    reshard.add_argument("folder", help="the checkpoint folder to read")
+    reshard = sub.add_parser("reshard", help="rewrite a checkpoint for another world size / "
+                                             "expert-parallel size")
+    reshard.add_argument("folder", help="an instance folder (manifest.json), or the selzero "
+                                        "folder (index.json) or the checkpoint holding it")
     reshard.add_argument("--world-size", type=int, required=True,
-                         help="number of ranks of the new group")
+                         help="number of ranks: of the instance's new group, or of the new job")
+    reshard.add_argument("--ep-size", type=int, default=None,
+                         help="expert-parallel size of the new job (default: as saved); needs "
+                              "the selzero folder")
     reshard.add_argument("--out", required=True, help="the folder to write (created)")
 
     consolidate = sub.add_parser(
@@ -63,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return tools.run_inspect(args.folder, verify_shards=args.verify)
         if args.command == "reshard":
-            return tools.run_reshard(args.folder, world_size=args.world_size, out=args.out)
+            return tools.run_reshard(args.folder, world_size=args.world_size, out=args.out,
+                                     ep_size=args.ep_size)
         return tools.run_consolidate(args.folder, out=args.out,
                                      torch_state_dict=args.torch_state_dict)
     raise AssertionError(f"unhandled command {args.command}")

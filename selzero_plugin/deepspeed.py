@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
 import json
@@ -378,10 +377,8 @@ class _Plumbing:
             self.engine.selzero_step_result = sz.step(lr=lr)
 
 
-def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool,
-             index_instances: list[dict[str, Any]] | None = None) -> _Plumbing:
+def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
     plumbing = _Plumbing(engine, sz, mirrors_host)
-    plumbing.index_instances = index_instances
     selected = [e.param for e in sz.trainable]
 
     orig_backward = engine.backward
@@ -550,11 +547,7 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
     @functools.wraps(orig_save)
     def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        host_checkpoint.save_into(os.path.join(save_dir, tag), [sz],
-                                  rank=torch.distributed.get_rank(),
-                                  index_instances=plumbing.index_instances)
-        done = torch.zeros(1, device=sz.comm.device)
-        sz.world_communicator().all_reduce(done)  # every group's part is done, then DeepSpeed
+        host_checkpoint.save_into(os.path.join(save_dir, tag), [sz])  # returns when all are done
         return orig_save(save_dir, tag, *args, **kwargs)
 
     @functools.wraps(orig_load)
@@ -662,13 +655,9 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         error = e
     agree_on_local_errors(world, error, what="selected_zero2 at deepspeed.initialize")
     selected = {id(e.param) for e in entries}
-    sz_group, index_instances = None, None
-    if ep is not None:
-        layout = expert_data_parallel_groups(ep)
-        sz_group, name = layout.group, f"{sz_config.name}-ep{layout.position}"
-        index_instances = [{"name": f"{sz_config.name}-ep{k}", "ranks": ranks}
-                           for k, ranks in enumerate(layout.all_ranks)]
-        sz_config = dataclasses.replace(sz_config, name=name)
+    # expert parallelism: SelectedZero2 shards over this rank's expert-data-parallel group and
+    # is named <name>-ep{ep_rank}
+    sz_group = expert_data_parallel_groups(ep) if ep is not None else None
     bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
     # FP32 values before DeepSpeed casts the module (masters) and before its broadcast from
     # rank 0 (with "broadcast": false each rank keeps its own values, e.g. expert-parallel
@@ -738,7 +727,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if snapshot is not None:
         sz.sync_from_params(snapshot, broadcast=sz_config.broadcast)
         del snapshot
-    _install(engine, sz, mirrors, index_instances)
+    _install(engine, sz, mirrors)
     return engine, optimizer, dataloader, scheduler
 
 

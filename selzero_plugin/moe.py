@@ -63,6 +63,9 @@ class ExpertParallelMoE(nn.Module):
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.router = nn.Linear(dim, num_experts)
         self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(self.local))
+        # local expert i is global expert expert_offset + i: selzero's checkpoints are keyed by
+        # the global experts, so they load under another expert-parallel layout
+        self.experts.expert_offset = self.ep_rank * self.local
 
     def global_expert(self, i: int) -> int:
         """The global index of local expert ``i``."""

@@ -262,8 +262,7 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if args.save_only_model:
             return control  # the Trainer saves no optimizer state either
-        host_checkpoint.save_into(folder, [sz], rank=dist.get_rank()
-                                  if dist.is_initialized() else 0)
+        host_checkpoint.save_into(folder, [sz])
         return control
 
 

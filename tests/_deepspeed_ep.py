@@ -39,6 +39,7 @@ class Dispatch(nn.Module):
         torch.manual_seed(1)
         self.router = nn.Linear(D, EP * LOCAL)
         self.experts = nn.ModuleList(_seeded_expert(position * LOCAL + e) for e in range(LOCAL))
+        self.experts.expert_offset = position * LOCAL  # checkpoint keys by global expert
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         slots = torch.zeros((EP,) + t.shape, dtype=t.dtype)

@@ -62,8 +62,13 @@ def run(out: Path, model: str, variant: str) -> None:
              "train_dataset": RankTokens()} if variant.startswith("ds") else {}
     if extra:  # TrainingArguments takes the DeepSpeed path only without use_cpu / the variable
         os.environ.pop("ACCELERATE_USE_CPU", None)
+    # Under DeepSpeed on CPU every rank is "process zero" to Accelerate (see RankTokens), so
+    # both ranks would rotate checkpoints at once (one rmtree under the other's glob: seen in
+    # CI); the DeepSpeed variants keep every checkpoint instead.
+    limit = None if extra else 2
     trainer = hf_train.build_trainer(model, str(work), config_of(variant), steps=6,
-                                     save_steps=2, save_total_limit=2, routing=routing, **extra)
+                                     save_steps=2, save_total_limit=limit, routing=routing,
+                                     **extra)
     trainer.train()
     full = trainer.state.log_history
     rank = dist.get_rank()
@@ -71,7 +76,7 @@ def run(out: Path, model: str, variant: str) -> None:
     if rank == 0:
         save_file(hf_train.weights(trainer.model), str(out / f"{variant}.safetensors"))
     resumed = hf_train.build_trainer(model, str(work), config_of(variant), steps=6,
-                                     save_steps=2, save_total_limit=2,
+                                     save_steps=2, save_total_limit=limit,
                                      weights_from=str(work / "checkpoint-4"), **extra)
     resumed.train(resume_from_checkpoint=str(work / "checkpoint-4"))
     if rank == 0:

@@ -38,23 +38,21 @@ def _folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _saved["folder"]
 
 
+def _golden(name: str, shape: list[int], *, aliases: tuple[str, ...] = (), frozen: bool = False,
+            experts: int | None = None) -> dict:
+    return {"name": name, "local_name": name, "aliases": list(aliases), "shape": shape,
+            "dtype": "float32", "frozen": frozen, "experts": experts, "placement": None}
+
+
 GOLDEN_ENTRIES = [
-    {"name": "scale", "aliases": [], "shape": [3], "dtype": "float32", "frozen": True,
-     "experts": None},
-    {"name": "inp.weight", "aliases": ["tied.weight"], "shape": [7, 7], "dtype": "float32",
-     "frozen": False, "experts": None},
-    {"name": "inp.bias", "aliases": ["tied.bias"], "shape": [7], "dtype": "float32",
-     "frozen": False, "experts": None},
-    {"name": "experts.gate_up", "aliases": [], "shape": [4, 7, 5], "dtype": "float32",
-     "frozen": False, "experts": 4},
-    {"name": "experts.down", "aliases": [], "shape": [4, 5, 7], "dtype": "float32",
-     "frozen": False, "experts": 4},
-    {"name": "experts.bias", "aliases": [], "shape": [4, 7], "dtype": "float32", "frozen": False,
-     "experts": 4},
-    {"name": "out.weight", "aliases": [], "shape": [3, 7], "dtype": "float32", "frozen": False,
-     "experts": None},
-    {"name": "out.bias", "aliases": [], "shape": [3], "dtype": "float32", "frozen": False,
-     "experts": None},
+    _golden("scale", [3], frozen=True),
+    _golden("inp.weight", [7, 7], aliases=("tied.weight",)),
+    _golden("inp.bias", [7], aliases=("tied.bias",)),
+    _golden("experts.gate_up", [4, 7, 5], experts=4),
+    _golden("experts.down", [4, 5, 7], experts=4),
+    _golden("experts.bias", [4, 7], experts=4),
+    _golden("out.weight", [3, 7]),
+    _golden("out.bias", [3]),
 ]
 ADAMW_STATE = {"exp_avg": {"kind": "elementwise", "dtype": "float32"},
                "exp_avg_sq": {"kind": "elementwise", "dtype": "float32"},
@@ -75,7 +73,9 @@ def test_golden_manifest(tmp_path_factory):
     folder = _folder(tmp_path_factory)
     m = json.loads((folder / "manifest.json").read_text())
     assert list(m) == ["format", "format_version", "package_version", "name", "group_size",
-                       "contract", "virtuals", "optimizer", "normalization", "config", "shards"]
+                       "contract", "virtuals", "optimizer", "expert_parallel", "normalization",
+                       "config", "shards"]
+    assert m["expert_parallel"] is None
     assert (m["format"], m["format_version"], m["package_version"], m["name"], m["group_size"]) \
         == ("selzero-checkpoint", 1, selzero_plugin.__version__, "selected_zero2", 2)
     assert m["contract"] == {"entries": GOLDEN_ENTRIES, "chunking": checkpoint.CHUNKING}

@@ -20,6 +20,7 @@ pytest.importorskip("deepspeed")
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 STEPS = 6
+SELECTED_COUNT = sum(".experts." in n for n, _ in build_model().named_parameters())
 SELECTED_NUMEL = sum(p.numel() for n, p in build_model().named_parameters() if ".experts." in n)
 TOTAL_NUMEL = sum(p.numel() for p in build_model().parameters())
 
@@ -183,7 +184,10 @@ def test_resume_from_engine_checkpoint(tmp_path, bf16):
     root = tmp_path / "global_step3" / "selected_zero2"
     assert (tmp_path / "latest").read_text().strip() == "global_step3"
     index = json.loads((root / "index.json").read_text())
-    assert index == {"format": 1, "instances": [{"name": "selected_zero2", "ranks": [0, 1]}]}
+    assert index == {"format": 1, "world_size": 2, "instances": [
+        {"name": "selected_zero2", "ranks": [0, 1], "family": "selected_zero2", "ep_rank": None,
+         "ep_size": None, "experts": {}, "unplaced": SELECTED_COUNT}],
+        "families": {"selected_zero2": {"ep_size": None, "by_global_expert": False}}}
     assert sorted(p.name for p in (root / "selected_zero2").iterdir()) == [
         "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
     resumed = all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=STEPS,
@@ -350,8 +354,13 @@ def test_expert_parallel_groups(tmp_path):
         assert max(abs(a - b) for a, b in zip(run["norms"], ref_norms)) < 1e-6, \
             (run["norms"], ref_norms)
     index = json.loads((tmp_path / "ep" / "selected_zero2" / "index.json").read_text())
-    assert index["instances"] == [{"name": "selected_zero2-ep0", "ranks": [0, 2]},
-                                  {"name": "selected_zero2-ep1", "ranks": [1, 3]}]
+    assert [{k: d[k] for k in ("name", "ranks", "ep_rank", "ep_size", "experts")}
+            for d in index["instances"]] == [
+        {"name": "selected_zero2-ep0", "ranks": [0, 2], "ep_rank": 0, "ep_size": 2,
+         "experts": {"block.experts": [[0, 2]]}},
+        {"name": "selected_zero2-ep1", "ranks": [1, 3], "ep_rank": 1, "ep_size": 2,
+         "experts": {"block.experts": [[2, 4]]}}]
+    assert index["families"] == {"selected_zero2": {"ep_size": 2, "by_global_expert": True}}
     for k in range(2):
         assert (tmp_path / "ep" / "selected_zero2" / f"selected_zero2-ep{k}" /
                 "manifest.json").is_file()

@@ -59,7 +59,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "CHUNKI
            "shard_file_name", "virtual_key", "tensor_key", "chunk_range", "StateSpec",
            "VirtualRecord", "Manifest", "read_manifest", "write_manifest", "resolve_folder",
            "shard_plan", "consolidated_plan", "whats", "check_shard", "RunSchema", "describe_run",
-           "probe_state", "check_against_run"]
+           "entry_record", "probe_state", "check_against_run"]
 
 FORMAT = "selzero-checkpoint"
 FORMAT_VERSION = 1
@@ -168,6 +168,16 @@ class Manifest:
         return cls(raw, int(raw["group_size"]), entries, virtuals, str(raw["optimizer"]["class"]),
                    group_state, [dict(g["hyperparameters"]) for g in groups],
                    list(raw["shards"]))
+
+    @property
+    def virtual_by_key(self) -> dict[str, VirtualRecord]:
+        return {v.key: v for v in self.virtuals}
+
+    @property
+    def expert_parallel(self) -> tuple[int, int] | None:
+        """(ep_rank, ep_size) of the instance that saved it, or None."""
+        ep = self.raw.get("expert_parallel")
+        return None if ep is None else (int(ep["ep_rank"]), int(ep["ep_size"]))
 
     def shard_record(self, rank: int) -> dict[str, Any] | None:
         return next((s for s in self.shards if s.get("rank") == rank), None)
@@ -306,18 +316,27 @@ class RunSchema:
 
 
 def describe_run(view: ShardView) -> RunSchema:
-    entries = [{"name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
-                "dtype": dtype_name(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts}
-               for e in view.entries]
+    entries = [entry_record(e) for e in view.entries]
     virtuals = []
     for spec in view.virtuals:
         e = view.trainable[spec.entry]
         shape = tuple(e.param.shape) if spec.expert is None else tuple(e.param.shape[1:])
-        virtuals.append(VirtualRecord(virtual_key(e.name, spec.expert), e.name, spec.expert,
+        expert = spec.expert if spec.expert is None or e.placement is None else \
+            e.placement.first + spec.expert  # the global expert ([Note: global expert names])
+        virtuals.append(VirtualRecord(virtual_key(e.global_name, expert), e.global_name, expert,
                                       spec.numel, shape, view.group_of_entry[spec.entry], False))
     state = [probe_state(view.optimizer_class, hyper, view.optimizer.defaults, view.comm.device)
              for hyper in view.group_hyperparameters]
     return RunSchema(entries, virtuals, qualified_name(view.optimizer_class), state)
+
+
+def entry_record(e: Any) -> dict[str, Any]:
+    """A selected tensor as the manifest's contract lists it: under its global name, with its
+    name in the saving model (``local_name``) and its place among the global experts."""
+    return {"name": e.global_name, "local_name": e.name, "aliases": list(e.global_aliases),
+            "shape": list(e.param.shape), "dtype": dtype_name(e.param.dtype), "frozen": e.frozen,
+            "experts": e.num_experts,
+            "placement": e.placement.to_json() if e.placement is not None else None}
 
 
 def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
@@ -351,8 +370,8 @@ def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where
             f"{group_size}. selzero does not reshard implicitly: run `selzero reshard {where} "
             f"--world-size {group_size} --out NEW_FOLDER` and load NEW_FOLDER.")
     _check_entries(manifest.entries, run.entries, where)
-    saved_keys = [(v.key, v.numel) for v in manifest.virtuals]
-    if saved_keys != [(v.key, v.numel) for v in run.virtuals]:
+    saved_keys = {v.key: v.numel for v in manifest.virtuals}
+    if saved_keys != {v.key: v.numel for v in run.virtuals}:
         raise CheckpointError(f"{where}: the manifest's virtual parameters do not follow from its "
                               "own contract; the manifest is damaged.")
     if manifest.optimizer_class != run.optimizer_class:
@@ -360,7 +379,9 @@ def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where
             f"{where} holds state of optimizer {manifest.optimizer_class}; this run uses "
             f"{run.optimizer_class}. Build SelectedZero2 with {manifest.optimizer_class} to "
             "resume, or `selzero consolidate` the checkpoint and convert the state yourself.")
-    for saved, current in zip(manifest.virtuals, run.virtuals):
+    by_key = manifest.virtual_by_key
+    for current in run.virtuals:  # matched by key: a resharded manifest may list another order
+        saved = by_key[current.key]
         s, c = manifest.group_state[saved.group], run.group_state[current.group]
         if s != c:
             raise CheckpointError(
@@ -376,20 +397,26 @@ _FIX = {
     "aliases": "tie the same parameters as the saving run",
     "frozen": "set requires_grad as the saving run did",
     "experts": "use the saving run's expert_dim and number of experts",
+    "placement": "declare the global experts as the saving run did (expert_offset), or "
+                 "`selzero reshard` the checkpoint for this layout",
 }
 
 
 def _check_entries(saved: list[dict[str, Any]], current: list[dict[str, Any]], where: str) -> None:
     saved_names = [e["name"] for e in saved]
     current_names = [e["name"] for e in current]
-    if saved_names != current_names:
+    if sorted(saved_names) != sorted(current_names):
         only_saved = [n for n in saved_names if n not in current_names]
         only_here = [n for n in current_names if n not in saved_names]
-        detail = (f"only in the checkpoint: {only_saved[:5]}; only selected here: {only_here[:5]}"
-                  if only_saved or only_here else "the same names in another order")
+        detail = f"only in the checkpoint: {only_saved[:5]}; only selected here: {only_here[:5]}"
         raise CheckpointError(f"{where}: the selected parameters differ ({detail}). Select the "
-                              "same parameters (config params/modules) as the saving run.")
-    for s, c in zip(saved, current):
+                              "same parameters (config params/modules) as the saving run; under "
+                              "expert parallelism, declare the same global experts "
+                              "(expert_offset) or `selzero reshard` the checkpoint for this "
+                              "layout.")
+    by_name = {e["name"]: e for e in saved}
+    for c in current:  # by name: a resharded manifest may list them in another order
+        s = by_name[c["name"]]
         for field, fix in _FIX.items():
             if s.get(field) != c[field]:
                 raise CheckpointError(f"{where}: parameter {c['name']!r}: the checkpoint has "

@@ -1,9 +1,27 @@
 """selzero's folder inside a host's checkpoint: ``<host checkpoint>/selected_zero2/``.
 
-One sub-folder per instance (``<name>/``, DESIGN.md section 2) and ``index.json``:
-``{"format": 1, "instances": [{"name": ..., "ranks": [global ranks of its group]}]}``, written
-by global rank 0 after every instance's folder is complete. Integrations (DeepSpeed, Accelerate,
-the HF Trainer) save and load through these two functions.
+[Note: checkpoint index]
+One sub-folder per instance (``<name>/``, DESIGN.md section 2; an expert-parallel instance is
+``<name>-ep{ep_rank}``) and ``index.json``, written by global rank 0 once every instance's
+folder is complete::
+
+    {"format": 1, "world_size": W,
+     "instances": [{"name": "experts-ep0", "ranks": [0, 2], "family": "experts",
+                    "ep_rank": 0, "ep_size": 2, "experts": {"moe.experts": [[0, 4]]},
+                    "unplaced": 0}, ...],
+     "families": {"experts": {"ep_size": 2, "by_global_expert": true}}}
+
+``experts`` lists, per expert container, the global experts the instance holds as half-open
+ranges; ``unplaced`` counts its selected tensors without a global expert index. A family is the
+instances of one config name: one per expert-parallel rank, or a single one without expert
+parallelism. ``by_global_expert`` says whether its keys are global ([Note: global expert names]):
+then ``selzero reshard --ep-size`` can move experts to another layout.
+
+Before anything is written, every rank gathers what each instance holds (from group rank 0 of
+each) and checks the layout the same way, so every rank raises the same error: two groups that
+would write one folder, expert-parallel ranks missing or twice, a global expert held by two
+expert-parallel ranks. Loading reads the index first and refuses, on every rank, a layout other
+than the saved one, naming the ``selzero reshard`` command that converts it.
 """
 
 from __future__ import annotations
@@ -11,13 +29,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+import torch.distributed as dist
+
+from ..core.comm import Communicator
+from ..core.contract import agree_on_local_errors
 from ..core.zero2 import SelectedZero2
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, SelZeroError, UsageError
 from .atomic import fsync_dir
 
-__all__ = ["FOLDER", "INDEX", "save_into", "load_from", "has_folder", "read_index"]
+__all__ = ["FOLDER", "INDEX", "save_into", "load_from", "has_folder", "read_index",
+           "describe_instance", "instance_record", "check_layout", "family_of", "ranges"]
 
 FOLDER = "selected_zero2"
 INDEX = "index.json"
@@ -32,36 +55,158 @@ def _check_names(instances: Sequence[SelectedZero2]) -> None:
                          "folders would collide. Give each a distinct `name` in its config.")
 
 
-def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2], *,
-              rank: int, index_instances: Sequence[dict] | None = None) -> Path:
-    """Every rank calls it: each instance saves into ``<host_dir>/selected_zero2/<name>/``;
-    then ``rank`` 0 writes ``index.json``, listing ``index_instances`` (every instance of the
-    job, ``{"name", "ranks"}``, when ranks hold different ones: expert parallelism) or this
-    rank's. Returns the selzero folder."""
+def family_of(name: str, ep: tuple[int, int] | None) -> str:
+    suffix = f"-ep{ep[0]}" if ep is not None else ""
+    return name[:-len(suffix)] if suffix and name.endswith(suffix) else name
+
+
+def ranges(indices: Sequence[int]) -> list[list[int]]:
+    """Sorted distinct ints as half-open ``[start, stop)`` runs."""
+    out: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def instance_record(name: str, ranks: list[int], ep: tuple[int, int] | None,
+                    placements: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """What the index lists of one instance ([Note: checkpoint index]); ``placements``: one
+    per selected tensor (``Placement.to_json()``, or None)."""
+    experts: dict[str, list[int]] = {}
+    for p in placements:
+        if p is not None:
+            experts.setdefault(p["container"], []).extend(
+                range(int(p["first"]), int(p["first"]) + int(p["count"])))
+    return {"name": name, "ranks": list(ranks), "family": family_of(name, ep),
+            "ep_rank": None if ep is None else ep[0], "ep_size": None if ep is None else ep[1],
+            "experts": {c: ranges(v) for c, v in experts.items()},
+            "unplaced": sum(p is None for p in placements)}
+
+
+def describe_instance(sz: SelectedZero2) -> dict[str, Any]:
+    return instance_record(sz.config.name, sz.comm.global_ranks, sz.expert_parallel,
+                           [e.placement.to_json() if e.placement else None for e in sz.entries])
+
+
+def check_layout(described: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """Check the job's instances (one record each) and return the index; raises CheckpointError."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for d in described:
+        seen = by_name.setdefault(d["name"], d)
+        if seen["ranks"] != d["ranks"]:
+            raise CheckpointError(
+                f"two selzero instances named {d['name']!r} run on different ranks ({seen['ranks']}"
+                f" and {d['ranks']}) and would write the same checkpoint folder. Give each group's "
+                "instance its own `name`, or build it with group=ExpertGroups (named "
+                "<name>-ep{ep_rank}).")
+    instances = sorted(by_name.values(), key=lambda d: (d["family"], d["ep_rank"] or 0, d["name"]))
+    families: dict[str, Any] = {}
+    for family in sorted({d["family"] for d in instances}):
+        members = [d for d in instances if d["family"] == family]
+        sizes = {d["ep_size"] for d in members}
+        if len(sizes) != 1:
+            raise CheckpointError(f"selzero instances of config name {family!r} disagree on the "
+                                  f"expert-parallel size ({sorted(map(str, sizes))}); build every "
+                                  "rank's instance with the same ExpertGroups.")
+        ep_size = sizes.pop()
+        if ep_size is None:
+            # one instance (its name is the family); keyed by global expert when every tensor
+            # has a place: `selzero reshard --ep-size` can then split it over expert ranks
+            families[family] = {"ep_size": None, "by_global_expert": all(
+                d["unplaced"] == 0 and d["experts"] for d in members)}
+            continue
+        positions = sorted(d["ep_rank"] for d in members)
+        if positions != list(range(ep_size)):
+            raise CheckpointError(
+                f"selzero instances {family!r}: expert-parallel ranks {positions} are present, "
+                f"expected 0..{ep_size - 1} (one instance per expert-parallel rank); every rank "
+                "must build its instance with group=ExpertGroups and save.")
+        owner: dict[tuple[str, int], int] = {}
+        for d in members:
+            for container, runs in d["experts"].items():
+                for a, b in runs:
+                    for g in range(a, b):
+                        other = owner.setdefault((container, g), d["ep_rank"])
+                        if other != d["ep_rank"]:
+                            raise CheckpointError(
+                                f"global expert {g} of {container!r} is held by expert-parallel "
+                                f"ranks {other} and {d['ep_rank']}; each global expert must be "
+                                "held by exactly one. Check expert_offset on each rank (local "
+                                "expert i is global expert expert_offset + i; e.g. "
+                                "ep_rank * num_local_experts).")
+        placed = all(d["unplaced"] == 0 for d in members)
+        families[family] = {"ep_size": ep_size, "by_global_expert": placed}
+    return {"format": INDEX_FORMAT, "world_size": world,
+            "instances": [{k: d[k] for k in ("name", "ranks", "family", "ep_rank", "ep_size",
+                                               "experts", "unplaced")} for d in instances],
+            "families": families}
+
+
+def _world(instances: Sequence[SelectedZero2]) -> Communicator:
+    if instances:
+        return instances[0].world_communicator()
+    if dist.is_available() and dist.is_initialized():
+        import torch
+
+        return Communicator.create(list(range(dist.get_world_size())), timeout_s=600.0,
+                                   device=torch.device("cpu"), shared=True)
+    raise UsageError("save_into / load_from: no selzero instance given.")
+
+
+def _gather_layout(instances: Sequence[SelectedZero2], world: Communicator) -> dict[str, Any]:
+    mine = [describe_instance(sz) for sz in instances if sz.comm.rank == 0]
+    gathered = world.all_gather_bytes(json.dumps(mine).encode())
+    described = [d for blob in gathered for d in json.loads(blob.decode())]
+    return check_layout(described, world.size)
+
+
+def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2],
+              **_: Any) -> Path:
+    """Every rank of the job calls it with its instances: the layout is checked on every rank
+    ([Note: checkpoint index]), each instance saves into ``<host_dir>/selected_zero2/<name>/``,
+    and once all are complete global rank 0 writes ``index.json``. Returns the selzero folder."""
     _check_names(instances)
+    world = _world(instances)
+    index, error = None, None
+    try:
+        index = _gather_layout(instances, world)
+    except SelZeroError as e:
+        error = e
+    agree_on_local_errors(world, error, what=f"save into {host_dir}")  # the same on every rank
     root = Path(host_dir) / FOLDER
     for sz in instances:
         sz.save_checkpoint(root / sz.config.name)
-    if rank == 0:
-        listed = list(index_instances) if index_instances is not None else [
-            {"name": sz.config.name, "ranks": list(sz.comm.global_ranks)} for sz in instances]
-        index = {"format": INDEX_FORMAT, "instances": listed}
-        tmp = root / (INDEX + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / INDEX)
-        fsync_dir(root)
+    error = None
+    if world.rank == 0:
+        try:
+            _write_index(root, index)
+        except OSError as e:
+            error = CheckpointError(f"{root / INDEX}: {type(e).__name__}: {e}")
+    agree_on_local_errors(world, error, what=f"save into {host_dir}")  # every group is done
     return root
+
+
+def _write_index(root: Path, index: dict[str, Any]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (INDEX + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / INDEX)
+    fsync_dir(root)
 
 
 def has_folder(host_dir: str | os.PathLike[str]) -> bool:
     return (Path(host_dir) / FOLDER).is_dir()
 
 
-def read_index(host_dir: str | os.PathLike[str]) -> dict:
-    path = Path(host_dir) / FOLDER / INDEX
+def read_index(host_dir: str | os.PathLike[str], *, root: bool = False) -> dict:
+    """``<host_dir>/selected_zero2/index.json`` (``root``: ``<host_dir>/index.json``)."""
+    path = Path(host_dir) / INDEX if root else Path(host_dir) / FOLDER / INDEX
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -74,10 +219,57 @@ def read_index(host_dir: str | os.PathLike[str]) -> dict:
     return index
 
 
+def _check_against_index(host_dir: Path, index: dict[str, Any],
+                         instances: Sequence[SelectedZero2], world: int) -> None:
+    saved = {d["name"]: d for d in index.get("instances", [])}
+    families = index.get("families", {})
+    for sz in instances:
+        ep = sz.expert_parallel
+        family = family_of(sz.config.name, ep)
+        ep_size = None if ep is None else ep[1]
+        saved_family = families.get(family)
+        saved_ep = saved_family.get("ep_size") if saved_family else \
+            next((d.get("ep_size") for d in saved.values() if d.get("family") == family), None)
+        record = saved.get(sz.config.name)
+        fix = (f"Run `selzero reshard {host_dir / FOLDER} --world-size {world}"
+               + (f" --ep-size {ep_size}" if ep_size else "") + " --out NEW/selected_zero2` and "
+               "load NEW.")
+        if ep_size is None and saved_ep is not None:
+            fix = (f"Build SelectedZero2 with group=expert_data_parallel(1) (one expert-parallel "
+                   f"rank holding every expert), run `selzero reshard {host_dir / FOLDER} "
+                   f"--world-size {world} --ep-size 1 --out NEW/selected_zero2` and load NEW.")
+        if saved_ep != ep_size and (record is not None or saved_family is not None):
+            raise CheckpointError(
+                f"{host_dir / FOLDER}: {family!r} was saved with expert-parallel size "
+                f"{saved_ep} over {index.get('world_size')} rank(s); this run has {ep_size} over "
+                f"{world}. selzero does not reshard implicitly. {fix}")
+        if record is None:
+            listed = sorted(saved)
+            raise CheckpointError(
+                f"{host_dir / FOLDER}: no selzero instance {sz.config.name!r} in this checkpoint "
+                f"(it holds {listed[:6]}); select and name the subset as the saving run did, or "
+                "start without it (fresh_start).")
+        if len(record["ranks"]) != sz.comm.size:
+            raise CheckpointError(
+                f"{host_dir / FOLDER}: {sz.config.name!r} was saved by a group of "
+                f"{len(record['ranks'])} rank(s) ({index.get('world_size')} in all); this group "
+                f"has {sz.comm.size} ({world} in all). {fix}")
+
+
 def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2]) -> None:
-    """Every rank calls it: each instance loads ``<host_dir>/selected_zero2/<name>/`` (all
-    ranks of its group load, or all raise the same CheckpointError and keep their state)."""
+    """Every rank calls it: the index is checked against this run's layout on every rank, then
+    each instance loads ``<host_dir>/selected_zero2/<name>/`` (all ranks of its group load, or
+    all raise the same CheckpointError and keep their state)."""
     _check_names(instances)
-    root = Path(host_dir) / FOLDER
+    host_dir = Path(host_dir)
+    root = host_dir / FOLDER
+    world = _world(instances)
+    error = None
+    try:
+        if (root / INDEX).is_file() or any(sz.expert_parallel for sz in instances):
+            _check_against_index(host_dir, read_index(host_dir), instances, world.size)
+    except SelZeroError as e:
+        error = e
+    agree_on_local_errors(world, error, what=f"load from {host_dir}")
     for sz in instances:
         sz.load_checkpoint(root / sz.config.name)

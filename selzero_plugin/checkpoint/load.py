@@ -21,8 +21,8 @@ from ..core.contract import agree_on_local_errors
 from ..core.view import ShardView
 from ..errors import CheckpointError, UsageError
 from .atomic import MANIFEST_NAME
-from .format import (ELEMENTWISE, VALUE, Manifest, check_against_run, check_shard, describe_run,
-                     read_manifest, resolve_folder, tensor_key)
+from .format import (ELEMENTWISE, VALUE, Manifest, VirtualRecord, check_against_run, check_shard,
+                     describe_run, read_manifest, resolve_folder, tensor_key)
 from .safetensors_io import LazyShard
 from .save import local_phase
 
@@ -60,20 +60,22 @@ def _check_and_read(view: ShardView, folder: Path) -> _Read:
     path, notes = resolve_folder(folder)
     manifest = read_manifest(path)
     sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()
-    check_against_run(manifest, describe_run(view), view.comm.size, str(path))
+    run = describe_run(view)
+    check_against_run(manifest, run, view.comm.size, str(path))
     shard = check_shard(path, manifest, view.comm.rank)
-    values, states = _read_shard(view, manifest, shard)
+    values, states = _read_shard(view, manifest, shard, run.virtuals)
     return _Read(notes, sha, values, states)
 
 
-def _read_shard(view: ShardView, manifest: Manifest, shard: Path
+def _read_shard(view: ShardView, manifest: Manifest, shard: Path, run: list[VirtualRecord]
                 ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
     device = view.comm.device
     values: list[torch.Tensor] = []
     states: dict[int, dict[str, torch.Tensor]] = {}
+    by_key = manifest.virtual_by_key  # by key: a resharded manifest may list another order
     with LazyShard(shard) as reader:
         for i, chunk in enumerate(view.chunks()):
-            v = manifest.virtuals[chunk.slot.virtual]
+            v = by_key[run[chunk.slot.virtual].key]
             values.append(_fresh(reader.read(tensor_key(v.key, VALUE)), device))
             if v.stateful:
                 shape = chunk.segment.shape

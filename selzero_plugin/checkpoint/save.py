@@ -122,6 +122,8 @@ def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], stag
             {"hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
              "state": {k: s.to_json() for k, s in sorted(state.items())}}
             for group, state in zip(view.optimizer.param_groups, run.group_state)]},
+        "expert_parallel": None if view.expert_parallel is None else {
+            "ep_rank": view.expert_parallel[0], "ep_size": view.expert_parallel[1]},
         "normalization": {"reduction": cfg.reduction, "normalize_over": cfg.normalize_over,
                           "missing_grad": cfg.missing_grad, "nonfinite": cfg.nonfinite},
         "config": cfg.to_dict(),

@@ -48,7 +48,7 @@ from .format import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard, chunk_
                      whats, write_manifest)
 from .safetensors_io import LazyShard, StreamingWriter
 
-__all__ = ["open_checkpoint", "verify", "iter_full_state", "write_sharded", "reshard",
+__all__ = ["open_checkpoint", "verify", "FullStateReader", "iter_full_state", "write_sharded", "reshard",
            "consolidate", "export_torch_state_dict", "inspect", "InspectReport", "run_inspect",
            "run_reshard", "run_consolidate"]
 
@@ -106,38 +106,56 @@ def _require_valid(folder: Path, manifest: Manifest) -> None:
 # ---- streaming full state -------------------------------------------------------------------
 
 
+class FullStateReader:
+    """A virtual parameter's full tensors, assembled from a checkpoint's shards one at a time."""
+
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        self.manifest = manifest
+        n = manifest.group_size
+        self.readers = [LazyShard(folder / shard_file_name(r, n)) for r in range(n)]
+
+    def full(self, v: VirtualRecord) -> Iterator[tuple[str, torch.Tensor]]:
+        """(what, full flat tensor or 0-dim scalar) for each tensor of ``v``, in file order."""
+        manifest, readers, n = self.manifest, self.readers, self.manifest.group_size
+        owners = [r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0]
+        for what in whats(manifest, v):
+            key = tensor_key(v.key, what)
+            if what != VALUE and manifest.group_state[v.group][what].kind == SCALAR:
+                yield what, _agreed_scalar(readers, owners, key)
+                continue
+            full = None
+            for r in owners:
+                start, length = chunk_range(v.numel, n, r)
+                part = readers[r].read(key)
+                if full is None:
+                    full = torch.empty(v.numel, dtype=part.dtype)
+                full[start:start + length].copy_(part)
+                del part
+                if readers[r].read_since_open >= _MAPPED_BUDGET // n:
+                    readers[r].close()  # a large chunk: unmap it before reading the next
+            yield what, full
+            del full
+            if sum(r.read_since_open for r in readers) >= _MAPPED_BUDGET:
+                for reader in readers:  # unmap: touched pages of every shard add up otherwise
+                    reader.close()
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+
 def iter_full_state(folder: Path, manifest: Manifest
                     ) -> Iterator[tuple[VirtualRecord, str, torch.Tensor]]:
     """(virtual parameter, what, full flat tensor or 0-dim scalar) in file order, one at a time."""
-    n = manifest.group_size
-    readers = [LazyShard(folder / shard_file_name(r, n)) for r in range(n)]
+    reader = FullStateReader(folder, manifest)
     try:
         for v in _progress(manifest.virtuals, total=len(manifest.virtuals), desc="parameters",
                            unit="param"):
-            owners = [r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0]
-            for what in whats(manifest, v):
-                key = tensor_key(v.key, what)
-                if what != VALUE and manifest.group_state[v.group][what].kind == SCALAR:
-                    yield v, what, _agreed_scalar(readers, owners, key)
-                    continue
-                full = None
-                for r in owners:
-                    start, length = chunk_range(v.numel, n, r)
-                    part = readers[r].read(key)
-                    if full is None:
-                        full = torch.empty(v.numel, dtype=part.dtype)
-                    full[start:start + length].copy_(part)
-                    del part
-                    if readers[r].read_since_open >= _MAPPED_BUDGET // n:
-                        readers[r].close()  # a large chunk: unmap it before reading the next
+            for what, full in reader.full(v):
                 yield v, what, full
                 del full
-                if sum(r.read_since_open for r in readers) >= _MAPPED_BUDGET:
-                    for reader in readers:  # unmap: touched pages of every shard add up otherwise
-                        reader.close()
     finally:
-        for reader in readers:
-            reader.close()
+        reader.close()
 
 
 def _agreed_scalar(readers: list[LazyShard], owners: list[int], key: str) -> torch.Tensor:
@@ -319,7 +337,9 @@ def inspect(folder: str | os.PathLike[str], *, verify_shards: bool = False) -> I
         f"selzero checkpoint {path}",
         f"  format {raw['format_version']}, written by selzero {raw.get('package_version')}, "
         f"instance {raw.get('name')!r}",
-        f"  group size {n} rank(s); {len(manifest.shards)} shard(s), {_size(total)}",
+        f"  group size {n} rank(s); {len(manifest.shards)} shard(s), {_size(total)}"
+        + (f"; expert-parallel rank {manifest.expert_parallel[0]} of "
+           f"{manifest.expert_parallel[1]}" if manifest.expert_parallel else ""),
         f"  optimizer {manifest.optimizer_class}",
     ]
     for g, (hyper, specs) in enumerate(zip(manifest.group_hyper, manifest.group_state)):
@@ -411,8 +431,46 @@ def _size(n: int) -> str:
 # ---- command-line handlers (cli.py parses, these act) ---------------------------------------
 
 
+def inspect_root(root: Path, *, verify_shards: bool) -> InspectReport:
+    """The layout of a selzero folder (index.json), then each instance."""
+    from .host import read_index
+
+    report = InspectReport()
+    try:
+        index = read_index(root, root=True)
+    except CheckpointError as e:
+        report.problems.append(str(e))
+        return report
+    report.lines.append(f"selzero folder {root}: saved by {index.get('world_size', '?')} "
+                        f"rank(s), {len(index['instances'])} instance(s)")
+    for family, info in sorted(index.get("families", {}).items()):
+        if info.get("ep_size") is None:
+            report.lines.append(f"  {family}: no expert parallelism")
+        else:
+            keyed = "by global expert (reshardable to another --ep-size)" \
+                if info.get("by_global_expert") else \
+                "by local name (tied to this expert-parallel size: declare expert_offset)"
+            report.lines.append(f"  {family}: expert-parallel size {info['ep_size']}, keyed "
+                                f"{keyed}")
+    for d in index["instances"]:
+        held = "; ".join(f"{c} experts " + ", ".join(f"{a}..{b - 1}" for a, b in runs)
+                         for c, runs in sorted(d.get("experts", {}).items()))
+        where = f"expert-parallel rank {d['ep_rank']}, " if d.get("ep_rank") is not None else ""
+        report.lines.append(f"  instance {d['name']}: {where}ranks {d['ranks']}"
+                            + (f"; {held}" if held else ""))
+    for d in index["instances"]:
+        sub = inspect(root / d["name"], verify_shards=verify_shards)
+        report.lines += ["", *sub.lines]
+        report.problems += sub.problems
+    return report
+
+
 def run_inspect(folder: str, *, verify_shards: bool) -> int:
-    report = inspect(folder, verify_shards=verify_shards)
+    from .relayout import find_root
+
+    found = find_root(Path(folder))
+    report = inspect_root(found[0], verify_shards=verify_shards) if found is not None else \
+        inspect(folder, verify_shards=verify_shards)
     try:
         for line in report.lines:
             print(line)
@@ -437,14 +495,34 @@ def _return_freed_buffers_to_the_os() -> None:
         pass  # not glibc: nothing to tune
 
 
-def run_reshard(folder: str, *, world_size: int, out: str) -> int:
+def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None = None) -> int:
+    """An instance folder (manifest.json): its group size becomes ``world_size``. A selzero
+    folder (index.json), or a host checkpoint holding one: every instance, for ``world_size``
+    ranks and expert-parallel size ``ep_size`` ([Note: relayout] in relayout.py)."""
+    from .relayout import find_root, reshard_root
+
     _return_freed_buffers_to_the_os()
     try:
-        written = reshard(folder, world_size, out)
+        found = find_root(Path(folder))
+        if found is None:
+            if ep_size is not None:
+                raise CheckpointError(
+                    f"{folder}: --ep-size needs the selzero folder of the checkpoint (the "
+                    "selected_zero2 folder holding index.json, or the checkpoint above it); "
+                    "this is one instance's folder.")
+            written = reshard(folder, world_size, out)
+            print(f"wrote {written} for a group of {world_size} rank(s)")
+            return 0
+        root, host = found
+        target = Path(out) / "selected_zero2" if host else Path(out)
+        written = reshard_root(root, world_size, ep_size, target)
     except CheckpointError as e:
         print(f"selzero reshard: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {written} for a group of {world_size} rank(s)")
+    print(f"wrote {written} for {world_size} rank(s)"
+          + (f", expert-parallel size {ep_size}" if ep_size else "")
+          + (" (selzero's part only: the host's own checkpoint files are not converted)"
+             if host else ""))
     return 0
 
 

@@ -44,6 +44,7 @@ class ShardView:
     optimizer: torch.optim.Optimizer
     idle: bool  # no micro-step open, nothing reduced: a load may replace the state
     window_state: str
+    expert_parallel: tuple[int, int] | None  # (ep_rank, ep_size) of an expert-parallel instance
     _chunks: Callable[[], list[Chunk]]
     _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]], None]
 

@@ -15,6 +15,7 @@ and builds the parts. See DESIGN.md section 1 and the Notes in each part.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -65,16 +66,28 @@ class SelectedZero2:
     """ZeRO-2 (sharded FP32 gradients and elementwise optimizer state) for selected parameters.
 
     Every other parameter stays with its host strategy. See DESIGN.md section 1.
+
+    ``group``: the process group to shard over (None: the world), or the
+    ``selzero_plugin.groups.ExpertGroups`` of an expert-parallel run: the instance then shards
+    over this rank's expert-data-parallel group, is named ``<name>-ep{ep_rank}``, and its
+    checkpoint is placed by global expert (``expert_offset``, [Note: global expert names]).
     """
 
     def __init__(self, model: nn.Module, config: SelZeroConfig, optimizer: Any = torch.optim.AdamW,
                  optimizer_kwargs: dict[str, Any] | None = None, *,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: Any = None) -> None:
         if isinstance(config, Mapping):
             config = SelZeroConfig.from_dict(config)
         if not isinstance(config, SelZeroConfig):
             raise ConfigError(f"config: expected a SelZeroConfig or a dict of its fields, got "
                               f"{type(config).__name__}; e.g. SelZeroConfig(params=['*.experts.*']).")
+        self.expert_parallel: tuple[int, int] | None = None
+        """(ep_rank, ep_size) when built over an expert-data-parallel group (``group`` given as
+        ``selzero_plugin.groups.ExpertGroups``); None otherwise."""
+        if _is_expert_groups(group):
+            self.expert_parallel = (int(group.ep_rank), int(group.ep_size))
+            config = dataclasses.replace(config, name=f"{config.name}-ep{group.ep_rank}")
+            group = group.expert_data_parallel
         self.config = config
         self.model = model
         distributed = dist.is_available() and dist.is_initialized()
@@ -159,7 +172,11 @@ class SelectedZero2:
         for i, e in enumerate(self.entries):
             fields.append((f"selected[{i}]", {
                 "name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
-                "dtype": str(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts}))
+                "dtype": str(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts,
+                "global_name": e.global_name,
+                "placement": e.placement.to_json() if e.placement else None}))
+        fields.append(("expert_parallel", list(self.expert_parallel)
+                       if self.expert_parallel else None))
         fields.append(("launch_units", {"names": list(self.units.names),
                                         "of_entry": list(self.units.of_entry)}))
         fields.append(("optimizer.class", qualified_name(self._opt_cls)))
@@ -425,7 +442,8 @@ class SelectedZero2:
             virtuals=self.layout.virtuals, group_of_entry=dict(self.segment_optimizer.group_of_entry),
             group_hyperparameters=[dict(p.hyper) for p in self._plans],
             optimizer_class=self._opt_cls, optimizer=self.optimizer,
-            idle=window.state is WindowState.IDLE, window_state=window.state.value, _chunks=self._chunks, _install=self._install)
+            idle=window.state is WindowState.IDLE, window_state=window.state.value,
+            expert_parallel=self.expert_parallel, _chunks=self._chunks, _install=self._install)
 
     def _chunks(self) -> list[Chunk]:
         return [Chunk(slot, seg, self.optimizer.state.get(seg) or {})
@@ -519,3 +537,8 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _is_expert_groups(group: Any) -> bool:
+    """``selzero_plugin.groups.ExpertGroups`` by its fields (the core imports no top-level module)."""
+    return all(hasattr(group, a) for a in ("expert_data_parallel", "ep_rank", "ep_size"))
