@@ -290,3 +290,18 @@ def per_rank_values_run(rank: int, world: int, bf16: bool) -> dict[str, Any]:
         want = before[entry.name].reshape(-1)[start:start + slot.numel]
         masters_exact = masters_exact and torch.equal(seg.detach(), want)
     return {"kept": kept, "dense_rank0": dense_rank0, "masters_exact": masters_exact}
+
+
+def train_many(rank: int, world: int, calls: list[tuple[tuple, dict[str, Any]]]
+               ) -> list[dict[str, Any]]:
+    """Several ``train_deepspeed`` runs, one after another in the same processes (suite time:
+    one spawn and import instead of one per run); each builds its own model and engine."""
+    from selzero_plugin.errors import SelZeroError
+
+    out: list[dict[str, Any]] = []
+    for args, kwargs in calls:
+        try:
+            out.append(train_deepspeed(rank, world, *args, **kwargs))
+        except SelZeroError as e:  # agreed by every rank: the next run starts in step
+            out.append({"error_type": type(e).__name__, "error_message": str(e)})
+    return out

@@ -30,6 +30,46 @@ def ref():
     return reference(2, STEPS)
 
 
+SCHEDULER = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                 "warmup_num_steps": 2, "total_num_steps": 5,
+                                                 "warmup_type": "linear"}}
+
+
+def _batched_calls(save_dir: str) -> dict[str, tuple[tuple, dict]]:
+    calls = {f"parity-{stage}-{bf16}": ((stage, bf16), {"steps": STEPS})
+             for stage in (0, 1, 2) for bf16 in (False, True)}
+    calls.update({
+        "client-0": ((0, False), {"steps": STEPS, "client_optimizer": True}),
+        "client-0-bf16-save": ((0, True), {"steps": 2, "client_optimizer": True, "save_at": 2,
+                                           "save_dir": save_dir}),
+        "client-experts_group": ((2, False), {"steps": 4, "client_optimizer": "experts_group"}),
+        "client-mixed_groups": ((2, False), {"steps": 4, "client_optimizer": "mixed_groups"}),
+        "lr-schedule": ((2, False), {"steps": 5, "scheduler": SCHEDULER}),
+        "bf16-optimizer": ((1, True), {"steps": STEPS, "config_changes": {
+            "data_types": {"grad_accum_dtype": "fp32"}}}),
+        "fused-adam": ((2, False), {"steps": 3, "config_changes": {
+            "optimizer": {"type": "Adam", "params": {"lr": LR}}}}),
+        "no-clip": ((0, False), {"steps": 3, "clip": 0.0}),
+        "style-torch": ((2, False), {"steps": STEPS, "style": "torch"}),
+        "style-boundary": ((2, False), {"steps": STEPS, "style": "boundary"}),
+        "nonfinite": ((2, False), {"steps": 3, "poison_step": 1}),
+    })
+    return calls
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """The runs below that only train: all in one 2-process launch (train_many), by key."""
+    from ._deepspeed import train_many
+
+    save_dir = tmp_path_factory.mktemp("ds_batch")
+    calls = _batched_calls(str(save_dir))
+    per_rank = all_values(run_ranks(train_many, 2, list(calls.values()), timeout=900, env=ENV))
+    out = {key: [per_rank[r][i] for r in range(2)] for i, key in enumerate(calls)}
+    out["save_dir"] = save_dir
+    return out
+
+
 def _check(runs, ref, *, bf16: bool) -> None:
     ref_params, ref_norms = ref
     init = build_model()
@@ -56,51 +96,40 @@ def _check(runs, ref, *, bf16: bool) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_parity_with_one_process_torch(stage, bf16, ref):
-    runs = all_values(run_ranks(train_deepspeed, 2, stage, bf16, steps=STEPS, timeout=240,
-                                env=ENV))
-    _check(runs, ref, bf16=bf16)
+def test_parity_with_one_process_torch(stage, bf16, ref, batch):
+    _check(batch[f"parity-{stage}-{bf16}"], ref, bf16=bf16)
 
 
 @pytest.mark.parametrize("stage", [0])  # stage 2: test_client_optimizer_groups
-def test_client_optimizer_object(stage, ref):
-    runs = all_values(run_ranks(train_deepspeed, 2, stage, False, steps=STEPS,
-                                client_optimizer=True, timeout=240, env=ENV))
-    _check(runs, ref, bf16=False)
+def test_client_optimizer_object(stage, ref, batch):
+    _check(batch[f"client-{stage}"], ref, bf16=False)
 
 
-def test_client_optimizer_at_stage_0_bf16_saves(tmp_path):
+def test_client_optimizer_at_stage_0_bf16_saves(batch):
     """What the HF Trainer passes (a client optimizer) at ZeRO-0 bf16: DeepSpeed's
     FP16_UnfusedOptimizer shares the groups' lists as its fp32_groups; they never hold a
     selected parameter, so save_checkpoint works (before: cannot pickle a weakref)."""
-    runs = all_values(run_ranks(train_deepspeed, 2, 0, True, steps=2, client_optimizer=True,
-                                save_at=2, save_dir=str(tmp_path), timeout=240, env=ENV))
+    runs = batch["client-0-bf16-save"]
     assert all(r["wrapper"] == "FP16_UnfusedOptimizer" for r in runs)
     assert all(r["ds_groups_hold_selected"] == 0 for r in runs)
-    assert (tmp_path / "global_step2" / "selected_zero2" / "index.json").is_file()
+    assert (batch["save_dir"] / "global_step2" / "selected_zero2" / "index.json").is_file()
 
 
 @pytest.mark.parametrize("groups", ["experts_group", "mixed_groups"])
-def test_client_optimizer_groups(groups):
+def test_client_optimizer_groups(groups, batch):
     """A client optimizer whose groups give the experts another lr and no weight decay: each
     selected parameter follows the group that held it, also when DeepSpeed drops that group
     because it held only experts."""
     ref = reference(2, 4, groups=groups)
-    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=4, client_optimizer=groups,
-                                timeout=240, env=ENV))
-    for run in runs:
+    for run in batch[f"client-{groups}"]:
         for name, value in ref[0].items():
             assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
 
 
-def test_lr_schedule_from_the_config():
+def test_lr_schedule_from_the_config(batch):
     """DeepSpeed's WarmupDecayLR moves the experts' lr exactly as DeepSpeed's own: the subset
     steps with the lr DeepSpeed used for that step (before its scheduler moves on)."""
-    scheduler = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                     "warmup_num_steps": 2, "total_num_steps": 5,
-                                                     "warmup_type": "linear"}}
-    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=5, scheduler=scheduler,
-                                timeout=240, env=ENV))
+    runs = batch["lr-schedule"]
     lrs = runs[0]["lrs"]
     assert len(set(lrs)) >= 3, lrs  # the schedule moved
     ref = reference(2, 5, lrs=lrs)
@@ -109,11 +138,10 @@ def test_lr_schedule_from_the_config():
             assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
 
 
-def test_bf16_optimizer_path_reports_the_true_norm(ref):
+def test_bf16_optimizer_path_reports_the_true_norm(ref, batch):
     """ZeRO-1 + bf16 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer: the
     subset's norm goes into DeepSpeed's norm once (reported and clipped with)."""
-    runs = all_values(run_ranks(train_deepspeed, 2, 1, True, steps=STEPS, timeout=240, env=ENV,
-                                config_changes={"data_types": {"grad_accum_dtype": "fp32"}}))
+    runs = batch["bf16-optimizer"]
     assert {r["wrapper"] for r in runs} == {"BF16_Optimizer"}
     _check(runs, ref, bf16=True)
 
@@ -126,12 +154,10 @@ def test_broadcast_false_keeps_per_rank_values(bf16):
         assert run == {"kept": True, "dense_rank0": True, "masters_exact": True}, run
 
 
-def test_deepspeed_fused_adam_defaults(ref):
+def test_deepspeed_fused_adam_defaults(ref, batch):
     """Config "Adam" without torch_adam builds DeepSpeed's FusedAdam (weight_decay 0 by
     default, AdamW mode): the subset runs torch AdamW with DeepSpeed's resolved values."""
-    block = {"type": "Adam", "params": {"lr": LR}}
-    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=3, timeout=400, env=ENV,
-                                config_changes={"optimizer": block}))
+    runs = batch["fused-adam"]
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     from ._deepspeed import CLIP, GAS, LAYERS
@@ -151,36 +177,67 @@ def test_deepspeed_fused_adam_defaults(ref):
             assert torch.allclose(run["params"][name], value.detach(), atol=2e-5, rtol=0), name
 
 
-def test_no_clipping_reports_the_true_norm():
+def test_no_clipping_reports_the_true_norm(batch):
     ref_params, ref_norms = reference(2, 3, clip=0.0)
-    runs = all_values(run_ranks(train_deepspeed, 2, 0, False, steps=3, clip=0.0, timeout=240,
-                                env=ENV))
-    for run in runs:
+    for run in batch["no-clip"]:
         assert max(abs(a - b) for a, b in zip(run["norms"], ref_norms)) < 1e-6
         for name, value in ref_params.items():
             assert torch.allclose(run["params"][name], value, atol=1e-6, rtol=0), name
 
 
 @pytest.mark.parametrize("style", ["torch", "boundary"])
-def test_plain_backward_and_manual_boundary(style, ref):
+def test_plain_backward_and_manual_boundary(style, ref, batch):
     """``loss.backward()`` (micro-steps end in engine.step) and DeepSpeed's manual pattern
     (``set_gradient_accumulation_boundary``, one step(): micro-steps end in engine.backward)."""
-    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=STEPS, style=style,
-                                timeout=240, env=ENV))
-    _check(runs, ref, bf16=False)
+    _check(batch[f"style-{style}"], ref, bf16=False)
 
 
-@pytest.mark.parametrize("bf16", [False], ids=["fp32"])  # bf16 resume: same path, bitwise too
-def test_resume_from_engine_checkpoint(tmp_path, bf16):
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Saves, then loads of them, each phase in one 2-process launch (fresh processes, as a
+    restart): ``a`` saved at step 3 (ZeRO-2); ``noentry`` saved at step 1 without the entry
+    (ZeRO-0); ``b`` a copy of ``a`` without selzero's folder (node-local disks)."""
+    import shutil
+
+    from ._deepspeed import train_many
+
+    work = tmp_path_factory.mktemp("ds_checkpoints")
+    a, b, noentry = str(work / "a"), str(work / "b"), str(work / "noentry")
+    all_values(run_ranks(train_many, 2, [
+        ((2, False), {"steps": 3, "save_at": 3, "save_dir": a}),
+        ((0, False), {"steps": 1, "save_at": 1, "with_entry": False, "save_dir": noentry}),
+    ], timeout=600, env=ENV))
+    shutil.copytree(work / "a", work / "b")
+    shutil.rmtree(work / "b" / "global_step3" / "selected_zero2")
+    loads = {
+        "resume": ((2, False), {"steps": STEPS, "load_dir": a}),
+        "no-optimizer-states": ((2, False), {"steps": 4, "load_dir": a, "load_options": {
+            "load_optimizer_states": False}}),
+        "noentry-refused": ((0, False), {"steps": 2, "load_dir": noentry}),
+        "noentry-fresh": ((0, False), {"steps": 2, "load_dir": noentry, "fresh_start": True}),
+        "missing-on-one": ((2, False), {"steps": 2, "load_dir": [a, b]}),
+    }
+    per_rank = all_values(run_ranks(train_many, 2, list(loads.values()), timeout=600, env=ENV))
+    out = {key: [per_rank[r][i] for r in range(2)] for i, key in enumerate(loads)}
+    out["work"] = work
+    return out
+
+
+def _errors(runs: list[dict], expected: str) -> list[str]:
+    for run in runs:
+        assert run.get("error_type") == expected, run.get("error_message", run.keys())
+    return [run["error_message"] for run in runs]
+
+
+def test_resume_from_engine_checkpoint(checkpoints, batch):
     """Save at step 3 through engine.save_checkpoint, resume in fresh processes through
     engine.load_checkpoint (tag from `latest`), train on: the same as never stopping."""
     import json
     import subprocess
     import sys
 
-    full = all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=STEPS, timeout=240, env=ENV))
-    all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=3, save_at=3,
-                         save_dir=str(tmp_path), timeout=240, env=ENV))
+    full = batch["parity-2-False"]
+    tmp_path = checkpoints["work"] / "a"
     root = tmp_path / "global_step3" / "selected_zero2"
     assert (tmp_path / "latest").read_text().strip() == "global_step3"
     index = json.loads((root / "index.json").read_text())
@@ -190,8 +247,7 @@ def test_resume_from_engine_checkpoint(tmp_path, bf16):
         "families": {"selected_zero2": {"ep_size": None, "by_global_expert": False}}}
     assert sorted(p.name for p in (root / "selected_zero2").iterdir()) == [
         "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
-    resumed = all_values(run_ranks(train_deepspeed, 2, 2, bf16, steps=STEPS,
-                                   load_dir=str(tmp_path), timeout=240, env=ENV))
+    resumed = checkpoints["resume"]
     for a, b in zip(full, resumed):
         for name in a["params"]:
             assert torch.equal(a["params"][name], b["params"][name]), name
@@ -201,37 +257,33 @@ def test_resume_from_engine_checkpoint(tmp_path, bf16):
     out = subprocess.run(cli + ["inspect", str(root / "selected_zero2"), "--verify"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    r3 = checkpoints["work"] / "r3"
     out = subprocess.run(cli + ["reshard", str(root / "selected_zero2"), "--world-size", "3",
-                                "--out", str(tmp_path / "r3")], capture_output=True, text=True,
-                         timeout=120)
+                                "--out", str(r3)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "r3" / "shard-00002-of-00003.safetensors").is_file()
+    assert (r3 / "shard-00002-of-00003.safetensors").is_file()
 
 
-def test_load_without_optimizer_states(tmp_path):
+def test_load_without_optimizer_states(checkpoints):
     """load_optimizer_states=False: DeepSpeed's state and selzero's both start fresh (the
     subset's FP32 values still come from the checkpoint)."""
-    all_values(run_ranks(train_deepspeed, 2, 2, False, steps=3, save_at=3,
-                         save_dir=str(tmp_path), timeout=240, env=ENV))
-    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=4, load_dir=str(tmp_path),
-                                load_options={"load_optimizer_states": False}, timeout=240,
-                                env=ENV))
+    runs = checkpoints["no-optimizer-states"]
     assert all(r["selzero_steps"] == [1.0] for r in runs), [r["selzero_steps"] for r in runs]
 
 
-def test_checkpoint_saved_without_the_entry(tmp_path):
+def test_checkpoint_saved_without_the_entry(checkpoints):
     """Loading a DeepSpeed checkpoint that has no selzero folder: the same CheckpointError on
     every rank, naming the fix; with selzero_fresh_start=True the subset starts fresh."""
-    from .dist_utils import all_errors
-
-    all_values(run_ranks(train_deepspeed, 2, 0, False, steps=1, save_at=1, with_entry=False,
-                         save_dir=str(tmp_path), timeout=240, env=ENV))
-    errors = all_errors(run_ranks(train_deepspeed, 2, 0, False, steps=2, load_dir=str(tmp_path),
-                                  timeout=240, env=ENV), "CheckpointError")
+    errors = _errors(checkpoints["noentry-refused"], "CheckpointError")
     assert all("selzero_fresh_start=True" in e for e in errors), errors
-    runs = all_values(run_ranks(train_deepspeed, 2, 0, False, steps=2, load_dir=str(tmp_path),
-                                fresh_start=True, timeout=240, env=ENV))
-    assert [r["global_steps"] for r in runs] == [2, 2]
+    assert [r["global_steps"] for r in checkpoints["noentry-fresh"]] == [2, 2]
+
+
+def test_checkpoint_folder_missing_on_one_rank(checkpoints):
+    """selzero's folder visible on rank 0 only (node-local disks): the same CheckpointError on
+    every rank, none left waiting."""
+    errors = _errors(checkpoints["missing-on-one"], "CheckpointError")
+    assert all("visible on 1 rank(s) and missing on 1" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -276,22 +328,6 @@ def test_selection_failing_on_one_rank_raises_on_every_rank():
     errors = all_errors(run_ranks(_initialize_only, 2, [good, bad], timeout=120, env=ENV),
                         "SelectionError")
     assert all("select no parameter" in e or "rank 1" in e for e in errors), errors
-
-
-def test_checkpoint_folder_missing_on_one_rank(tmp_path):
-    """selzero's folder visible on rank 0 only (node-local disks): the same CheckpointError on
-    every rank, none left waiting."""
-    from .dist_utils import all_errors
-
-    all_values(run_ranks(train_deepspeed, 2, 2, False, steps=1, save_at=1,
-                         save_dir=str(tmp_path / "a"), timeout=240, env=ENV))
-    import shutil
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "global_step1" / "selected_zero2")
-    errors = all_errors(run_ranks(train_deepspeed, 2, 2, False, steps=2,
-                                  load_dir=[str(tmp_path / "a"), str(tmp_path / "b")],
-                                  timeout=240, env=ENV), "CheckpointError")
-    assert all("visible on 1 rank(s) and missing on 1" in e for e in errors), errors
 
 
 def test_without_the_entry_nothing_changes():
@@ -366,12 +402,11 @@ def test_expert_parallel_groups(tmp_path):
                 "manifest.json").is_file()
 
 
-def test_follows_deepspeeds_skip_on_a_non_finite_gradient():
+def test_follows_deepspeeds_skip_on_a_non_finite_gradient(batch):
     """An inf in one expert's gradient on rank 1 only: the subset's norm is part of
     DeepSpeed's, DeepSpeed (ZeRO-2 fp32) sees the overflow and skips the step, selzero skips
     too on every rank (no error by default under DeepSpeed), and training goes on."""
-    runs = all_values(run_ranks(train_deepspeed, 2, 2, False, steps=3, poison_step=1,
-                                timeout=240, env=ENV))
+    runs = batch["nonfinite"]
     for run in runs:
         assert run["applied"] == [True, False, True], run["applied"]
         assert run["moved"] == [True, False, True], run["moved"]
