@@ -46,6 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
                               "the selzero folder")
     reshard.add_argument("--out", required=True, help="the folder to write (created)")
 
+    plan = sub.add_parser("plan", help="predicted per-rank bytes for a selection, before a run")
+    plan.add_argument("model", help="`package.module:factory` (built on the meta device) or a "
+                                    "transformers config .json (\"model_type\" set)")
+    plan.add_argument("--params", action="append", required=True, metavar="GLOB",
+                      help="parameter-name glob to select (repeat for several)")
+    plan.add_argument("--modules", action="append", default=[], metavar="CLASS",
+                      help="module class whose parameters to select (repeat for several)")
+    plan.add_argument("--world-size", type=int, required=True, help="ranks of selzero's group")
+    plan.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                      help="parameter dtype (bf16/fp16: FP32 masters)")
+    plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    plan.add_argument("--expert-dim", type=int, default=None, choices=[0],
+                      help="0: fused expert tensors as one virtual parameter per expert")
+    plan.add_argument("--bucket-mb", type=float, default=25.0)
+
     consolidate = sub.add_parser(
         "consolidate", help="full per-parameter FP32 values and optimizer state in one file")
     consolidate.add_argument("folder", help="the checkpoint folder to read")
@@ -63,6 +78,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(nproc=args.nproc, steps=args.steps, out=args.out, host=args.host,
                       ep=args.ep)
+    if args.command == "plan":
+        from .errors import SelZeroError
+        from .plan import run_plan
+
+        try:
+            return run_plan(args.model, params=args.params, world_size=args.world_size,
+                            dtype=args.dtype, optimizer=args.optimizer,
+                            expert_dim=args.expert_dim, modules=args.modules,
+                            bucket_mb=args.bucket_mb)
+        except SelZeroError as e:
+            print(f"selzero plan: error: {e}", file=sys.stderr)
+            return 1
     if args.command in ("inspect", "reshard", "consolidate"):
         from .checkpoint import tools
 

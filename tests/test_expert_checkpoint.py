@@ -372,3 +372,124 @@ def test_save_refuses_experts_declared_twice_and_reshard_refuses_local_names(tmp
         a = load_file(str(tools.consolidate(root / name, tmp_path / f"a{k}.safetensors")))
         b = load_file(str(tools.consolidate(tmp_path / "w4" / name, tmp_path / f"b{k}.st")))
         assert sorted(a) == sorted(b) and all(torch.equal(a[t], b[t]) for t in a)
+
+
+# ---- a save or load of several instances is one operation of the job ---------------------
+
+
+def _atomic_phase(rank: int, world: int, work: str) -> dict:
+    """EP 2 on 2 ranks (two instances, one per rank): saves that fail on rank 1 only, at the
+    shard write and at putting its folder in place; loads of a damaged folder and of two
+    different checkpoints."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from selzero_plugin.checkpoint import save as save_module
+
+    work = Path(work)
+    groups = expert_data_parallel(2)
+    net = FusedNet(LOCAL, groups.ep_rank * LOCAL)
+    sz = SelectedZero2(net, {"params": ["fused.*", "experts.*"], "expert_dim": 0,
+                             "normalize_over": "world"},
+                       torch.optim.AdamW, {"lr": 0.05}, group=groups)
+
+    def train() -> None:
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+        net(x, [0, 1]).pow(2).mean().backward()
+        sz.step()
+
+    def values() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in net.parameters()]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def attempt(fn, *args) -> str | None:
+        try:
+            fn(*args)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    def failing(name: str) -> None:  # on rank 1 only
+        original = getattr(save_module, name)
+
+        def boom(*args, **kwargs):
+            setattr(save_module, name, original)
+            raise OSError(28, "No space left on device")
+        if rank == 1:
+            setattr(save_module, name, boom)
+
+    out: dict = {}
+    train()
+    save_into(work / "ck", [sz])
+    first = values()
+    train()
+    failing("_write_shard")
+    out["write_failed"] = attempt(save_into, work / "ck", [sz])
+    load_from(work / "ck", [sz])
+    out["after_write_failure"] = same(values(), first)
+    train()
+    failing("put_in_place")  # rank 0's folder is already in place when rank 1's fails
+    out["place_failed"] = attempt(save_into, work / "ck", [sz])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_from(work / "ck", [sz])
+    out["after_place_failure"] = same(values(), first)
+    out["previous_note"] = [str(w.message) for w in caught if "previous" in str(w.message)]
+    train()
+    save_into(work / "ck", [sz])
+    second = values()
+    out["leftovers"] = sorted(p.name for p in (work / "ck" / "selected_zero2").iterdir())
+    train()
+    save_into(work / "ck2", [sz])
+    if rank == 1:  # one byte of rank 1's shard flipped
+        shard = work / "ck" / "selected_zero2" / "selected_zero2-ep1" / \
+            "shard-00000-of-00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+    dist.all_reduce(torch.zeros(1))
+    third = values()
+    out["damaged"] = attempt(load_from, work / "ck", [sz])
+    out["kept_after_damaged"] = same(values(), third)
+    out["different"] = attempt(load_from, work / ("ck2" if rank else "ck"), [sz])
+    out["kept_after_different"] = same(values(), third)
+    out["second_differs"] = not same(second, third)
+    sz.remove_hooks()
+    dist.all_reduce(torch.zeros(1))
+    return out
+
+
+def test_a_save_or_load_of_several_instances_is_one_operation_of_the_job(tmp_path):
+    """Every rank raises the same error when one group's save fails (at its shard, or at
+    putting its folder in place after the other group's is in place), and the checkpoint then
+    loads as the previous save on every rank (not one instance new, one old); a damaged shard
+    in one group, or ranks pointed at different checkpoints, are refused on every rank with no
+    rank changed."""
+    got = all_values(run_ranks(_atomic_phase, 2, str(tmp_path), timeout=180))
+    for rank, v in enumerate(got):
+        assert "No space left on device" in v["write_failed"], v
+        assert "No space left on device" in v["place_failed"], v
+        assert v["after_write_failure"] and v["after_place_failure"], v
+        assert v["leftovers"] == ["index.json", "selected_zero2-ep0", "selected_zero2-ep1"], v
+        assert "sha256 differs" in v["damaged"] and v["kept_after_damaged"], v
+        assert "index.json differs" in v["different"] and v["kept_after_different"], v
+        assert v["second_differs"]
+    assert got[0]["previous_note"] and not got[1]["previous_note"]  # rank 0's newer folder
+
+
+def test_an_index_from_before_the_layout_was_recorded_is_completed():
+    from selzero_plugin.checkpoint.host import _completed
+
+    old = {"format": 1, "instances": [{"name": "selected_zero2-ep0", "ranks": [0, 2]},
+                                      {"name": "selected_zero2-ep1", "ranks": [1, 3]},
+                                      {"name": "dense", "ranks": [0, 1, 2, 3]}]}
+    index = _completed(old)
+    assert index["world_size"] == 4
+    assert index["families"] == {
+        "selected_zero2": {"ep_size": 2, "by_global_expert": False},
+        "dense": {"ep_size": None, "by_global_expert": False}}
+    assert [(d["family"], d["ep_rank"], d["ep_size"]) for d in index["instances"]] == [
+        ("selected_zero2", 0, 2), ("selected_zero2", 1, 2), ("dense", None, None)]

@@ -117,8 +117,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def put_in_place(staging: Path, folder: Path) -> None:
-    """Steps 1-3 of [Note: atomic save]; ``staging`` must already hold its manifest."""
+def put_in_place(staging: Path, folder: Path, *, keep_previous: bool = False) -> None:
+    """Steps 1-3 of [Note: atomic save]; ``staging`` must already hold its manifest. With
+    ``keep_previous`` step 3 is left to the caller (a save of several instances keeps every old
+    folder until the index naming the new ones is in place: [Note: checkpoint index])."""
     parent = folder.parent
     previous = previous_folder(folder)
     fsync_dir(staging)
@@ -134,6 +136,8 @@ def put_in_place(staging: Path, folder: Path) -> None:
             folder.rmdir()  # empty (refuse_to_replace allows nothing else); keep `previous`
     os.rename(staging, folder)
     fsync_dir(parent)
+    if keep_previous:
+        return
     crash_point("before_delete_previous")
     if previous.exists():
         shutil.rmtree(previous)

@@ -28,16 +28,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..core.comm import Communicator
 from ..core.contract import agree_on_local_errors
 from ..core.zero2 import SelectedZero2
 from ..errors import CheckpointError, SelZeroError, UsageError
-from .atomic import fsync_dir
+from .atomic import fsync_dir, previous_folder
+from .load import install_read, read_checkpoint
+from .save import discard_staged, place_staged, stage_checkpoint
 
 __all__ = ["FOLDER", "INDEX", "save_into", "load_from", "has_folder", "read_index",
            "describe_instance", "instance_record", "check_layout", "family_of", "ranges"]
@@ -145,47 +151,91 @@ def check_layout(described: list[dict[str, Any]], world: int) -> dict[str, Any]:
             "families": families}
 
 
+_TIMEOUT_S = 3600.0
+"""Of the job-wide checkpoint collectives: the same on every rank whatever the instances'
+``timeout_s`` (it names the communicator), and long enough for the slowest group's writes."""
+
+
 def _world(instances: Sequence[SelectedZero2]) -> Communicator:
+    if not (dist.is_available() and dist.is_initialized()):
+        if not instances:
+            raise UsageError("save_into / load_from: no selzero instance given.")
+        return Communicator.single(instances[0].comm.device)
     if instances:
-        return instances[0].world_communicator()
-    if dist.is_available() and dist.is_initialized():
-        import torch
+        device = instances[0].comm.device
+    elif dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return Communicator.create(list(range(dist.get_world_size())), timeout_s=_TIMEOUT_S,
+                               device=device, shared=True)
 
-        return Communicator.create(list(range(dist.get_world_size())), timeout_s=600.0,
-                                   device=torch.device("cpu"), shared=True)
-    raise UsageError("save_into / load_from: no selzero instance given.")
+
+def _local(fn: Any, *args: Any) -> tuple[Any, SelZeroError | None]:
+    """A rank-local phase: any failure becomes an error the ranks agree on (never a hang)."""
+    try:
+        return fn(*args), None
+    except SelZeroError as e:
+        return None, e
+    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
+        return None, CheckpointError(f"{type(e).__name__}: {e}")
 
 
-def _gather_layout(instances: Sequence[SelectedZero2], world: Communicator) -> dict[str, Any]:
-    mine = [describe_instance(sz) for sz in instances if sz.comm.rank == 0]
-    gathered = world.all_gather_bytes(json.dumps(mine).encode())
+def _gather_layout(instances: Sequence[SelectedZero2], world: Communicator,
+                   error: SelZeroError | None, what: str) -> dict[str, Any]:
+    mine = [] if error is not None else \
+        [describe_instance(sz) for sz in instances if sz.comm.rank == 0]
+    gathered = world.all_gather_bytes(json.dumps(mine).encode())  # every rank, always
+    agree_on_local_errors(world, error, what=what)
     described = [d for blob in gathered for d in json.loads(blob.decode())]
-    return check_layout(described, world.size)
+    return check_layout(described, world.size)  # the same input on every rank: the same verdict
 
 
 def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2],
               **_: Any) -> Path:
-    """Every rank of the job calls it with its instances: the layout is checked on every rank
-    ([Note: checkpoint index]), each instance saves into ``<host_dir>/selected_zero2/<name>/``,
-    and once all are complete global rank 0 writes ``index.json``. Returns the selzero folder."""
-    _check_names(instances)
+    """Every rank of the job calls it with its instances ([Note: checkpoint index]): the layout
+    is checked on every rank; every instance stages its folder; only once every rank's stagings
+    are complete are they put in place (the old folders kept aside), then global rank 0 writes
+    ``index.json`` naming this save, then the old folders go. A failure anywhere raises the
+    same error on every rank, and a save interrupted at any point leaves a checkpoint that
+    loads as one save: the new one, or the previous one. Returns the selzero folder."""
+    what = f"save into {host_dir}"
     world = _world(instances)
-    index, error = None, None
-    try:
-        index = _gather_layout(instances, world)
-    except SelZeroError as e:
-        error = e
-    agree_on_local_errors(world, error, what=f"save into {host_dir}")  # the same on every rank
+    _, error = _local(_check_names, instances)
+    index = _gather_layout(instances, world, error, what)
+    save_id = world.broadcast_bytes(secrets.token_hex(8).encode() if world.rank == 0 else None
+                                    ).decode()
+    index["save_id"] = save_id
     root = Path(host_dir) / FOLDER
-    for sz in instances:
-        sz.save_checkpoint(root / sz.config.name)
+    staged: list[tuple[SelectedZero2, Path | None]] = []
+    error = None
+    for sz in instances:  # every instance, also after a failure: its group waits for this rank
+        try:
+            staged.append((sz, stage_checkpoint(sz.checkpoint_view(), root / sz.config.name,
+                                                save_id=save_id)))
+        except SelZeroError as e:
+            staged.append((sz, None))
+            error = error or e
+    try:
+        agree_on_local_errors(world, error, what=what)
+    except SelZeroError:
+        for sz, staging in staged:
+            discard_staged(sz.checkpoint_view(), staging)
+        raise
+    error = None
+    for sz, staging in staged:
+        try:
+            place_staged(sz.checkpoint_view(), staging, root / sz.config.name, keep_previous=True)
+        except SelZeroError as e:
+            error = error or e
+    agree_on_local_errors(world, error, what=what)
     error = None
     if world.rank == 0:
-        try:
-            _write_index(root, index)
-        except OSError as e:
-            error = CheckpointError(f"{root / INDEX}: {type(e).__name__}: {e}")
-    agree_on_local_errors(world, error, what=f"save into {host_dir}")  # every group is done
+        _, error = _local(_write_index, root, index)
+    agree_on_local_errors(world, error, what=what)  # the index names this save: old ones go
+    for sz in instances:
+        if sz.comm.rank == 0:
+            shutil.rmtree(previous_folder(root / sz.config.name), ignore_errors=True)
     return root
 
 
@@ -214,9 +264,44 @@ def read_index(host_dir: str | os.PathLike[str], *, root: bool = False) -> dict:
                               f"unreadable ({e}); the save did not complete. Load an earlier "
                               "checkpoint.") from None
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
-        raise CheckpointError(f"{str(path)!r}: format {index.get('format') if isinstance(index, dict) else index!r}, "
-                              f"expected {INDEX_FORMAT}; upgrade selzero_plugin to read it.")
-    return index
+        seen = index.get("format") if isinstance(index, dict) else index
+        raise CheckpointError(f"{str(path)!r}: format {seen!r}, expected {INDEX_FORMAT}; "
+                              "upgrade selzero_plugin to read it.")
+    try:
+        return _completed(index)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{str(path)!r}: malformed ({type(e).__name__}: {e}); the file was "
+                              "edited or damaged.") from None
+
+
+def _completed(index: dict[str, Any]) -> dict[str, Any]:
+    """An index written before the layout was recorded (only name and ranks per instance),
+    completed: world size from the ranks, expert-parallel families from the ``-ep{k}`` names
+    (keyed by local names: such a save knew no global experts)."""
+    if "families" in index:
+        return index
+    instances = [dict(d) for d in index["instances"]]
+    world = max((max(d["ranks"]) + 1 for d in instances if d["ranks"]), default=1)
+    by_base: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for d in instances:
+        m = re.fullmatch(r"(.*)-ep(\d+)", d["name"])
+        if m is not None:
+            by_base.setdefault(m.group(1), []).append((int(m.group(2)), d))
+    families: dict[str, Any] = {}
+    for base, members in by_base.items():
+        if sorted(k for k, _ in members) == list(range(len(members))) and len(members) > 1:
+            for k, d in members:
+                d.update(family=base, ep_rank=k, ep_size=len(members))
+            families[base] = {"ep_size": len(members), "by_global_expert": False}
+    for d in instances:
+        d.setdefault("family", d["name"])
+        d.setdefault("ep_rank", None)
+        d.setdefault("ep_size", None)
+        d.setdefault("experts", {})
+        d.setdefault("unplaced", None)
+        families.setdefault(d["family"], {"ep_size": None, "by_global_expert": False})
+    return {**index, "world_size": index.get("world_size", world), "instances": instances,
+            "families": families}
 
 
 def _check_against_index(host_dir: Path, index: dict[str, Any],
@@ -257,19 +342,43 @@ def _check_against_index(host_dir: Path, index: dict[str, Any],
 
 
 def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2]) -> None:
-    """Every rank calls it: the index is checked against this run's layout on every rank, then
-    each instance loads ``<host_dir>/selected_zero2/<name>/`` (all ranks of its group load, or
-    all raise the same CheckpointError and keep their state)."""
-    _check_names(instances)
+    """Every rank of the job calls it: the index is checked against this run's layout, every
+    instance's part is checked and read into fresh memory, then the ranks agree (on the
+    verdict, on the index each read, and within each group on the manifest) and only then
+    does any rank swap state in: every rank of the job loads, or every rank raises the same
+    error and keeps its state."""
     host_dir = Path(host_dir)
+    what = f"load from {host_dir}"
     root = host_dir / FOLDER
     world = _world(instances)
-    error = None
+    reads, index_bytes, error = [], b"", None
     try:
+        _check_names(instances)
+        save_id = None
         if (root / INDEX).is_file() or any(sz.expert_parallel for sz in instances):
-            _check_against_index(host_dir, read_index(host_dir), instances, world.size)
+            index_bytes = (root / INDEX).read_bytes() if (root / INDEX).is_file() else b""
+            index = read_index(host_dir)
+            _check_against_index(host_dir, index, instances, world.size)
+            save_id = index.get("save_id")
+        for sz in instances:
+            reads.append(read_checkpoint(sz.checkpoint_view(), root / sz.config.name,
+                                         save_id=save_id))
     except SelZeroError as e:
         error = e
-    agree_on_local_errors(world, error, what=f"load from {host_dir}")
-    for sz in instances:
-        sz.load_checkpoint(root / sz.config.name)
+    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
+        error = CheckpointError(f"{type(e).__name__}: {e}")
+    agree_on_local_errors(world, error, what=what, token=index_bytes,
+                          token_error=CheckpointError,
+                          token_what="checkpoint (its selected_zero2/index.json differs)")
+    shas = {sz.config.name: read.manifest_sha256.hex() for sz, read in zip(instances, reads)}
+    seen: dict[str, str] = {}
+    for blob in world.all_gather_bytes(json.dumps(shas).encode()):
+        for name, sha in json.loads(blob.decode()).items():
+            if seen.setdefault(name, sha) != sha:
+                raise CheckpointError(
+                    f"[rank {world.rank}/{world.size}] {what}: the ranks of instance {name!r} "
+                    "read different manifest.json files (ranks pointed at different "
+                    "checkpoints, or node-local copies that differ); every rank must load the "
+                    "same checkpoint. Nothing was loaded.")
+    for sz, read in zip(instances, reads):
+        install_read(sz.checkpoint_view(), read, what=what)

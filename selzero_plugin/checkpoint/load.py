@@ -11,6 +11,7 @@ every rank swap the new tensors in (``ShardView.install``).
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,13 @@ import torch
 from ..core.contract import agree_on_local_errors
 from ..core.view import ShardView
 from ..errors import CheckpointError, UsageError
-from .atomic import MANIFEST_NAME
+from .atomic import MANIFEST_NAME, previous_folder
 from .format import (ELEMENTWISE, VALUE, Manifest, VirtualRecord, check_against_run, check_shard,
                      describe_run, read_manifest, resolve_folder, tensor_key)
 from .safetensors_io import LazyShard
 from .save import local_phase
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "read_checkpoint", "install_read"]
 
 
 @dataclass
@@ -40,24 +41,58 @@ class _Read:
 def load_checkpoint(view: ShardView, folder: str | Path) -> None:
     """Every rank calls this: all ranks load, or all raise the same error and keep their state."""
     folder = Path(folder)
-    comm = view.comm
     what = f"load_checkpoint({folder})"
-    read, error = local_phase(_check_and_read, view, folder)
-    agree_on_local_errors(comm, error, what=what,
+    read, error = local_phase(read_checkpoint, view, folder)
+    agree_on_local_errors(view.comm, error, what=what,
                           token=b"" if read is None else read.manifest_sha256,
                           token_error=CheckpointError,
                           token_what="checkpoint (the sha256 of its manifest.json differs)")
+    install_read(view, read, what=what)
+
+
+def read_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None = None) -> _Read:
+    """This rank's part, checked and read into fresh memory; no collective, nothing changed.
+    With ``save_id`` (from the index of a save of several instances) the folder whose manifest
+    holds it is read: ``folder``, or ``<folder>.previous`` after a save interrupted between
+    putting instances in place ([Note: checkpoint index])."""
+    return _check_and_read(view, Path(folder), save_id)
+
+
+def install_read(view: ShardView, read: _Read, *, what: str) -> None:
+    """Every rank of the group, once every rank agreed: swap the read state in."""
     for note in read.notes:
-        warnings.warn(f"[rank {comm.rank}/{comm.size}] {what}: {note}", stacklevel=3)
+        warnings.warn(f"[rank {view.comm.rank}/{view.comm.size}] {what}: {note}", stacklevel=3)
     view.install(read.values, read.states)
 
 
-def _check_and_read(view: ShardView, folder: Path) -> _Read:
+def _resolve(folder: Path, save_id: str | None) -> tuple[Path, list[str]]:
+    if save_id is None:
+        return resolve_folder(folder)
+    seen = []
+    for candidate in (folder, previous_folder(folder)):
+        try:
+            raw = json.loads((candidate / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and raw.get("save_id") == save_id:
+            notes = [] if candidate == folder else [
+                f"{folder} holds a newer save than its index.json (a save of several instances "
+                f"was interrupted before its index was written); loading {candidate}, the "
+                "instance's part of the save the index names."]
+            return candidate, notes
+        seen.append(f"{candidate.name}: save {raw.get('save_id') if isinstance(raw, dict) else '?'}")
+    raise CheckpointError(
+        f"{folder}: no part of the save its index.json names (save {save_id}; found "
+        f"{seen or 'no complete folder'}); the checkpoint mixes saves (a partial copy, or "
+        "folders of another save). Load an earlier checkpoint.")
+
+
+def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None) -> _Read:
     if not view.idle:
         raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
                          f"state {view.window_state}); call it before training or right after "
                          "step().")
-    path, notes = resolve_folder(folder)
+    path, notes = _resolve(folder, save_id)
     manifest = read_manifest(path)
     sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()
     run = describe_run(view)

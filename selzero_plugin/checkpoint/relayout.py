@@ -85,6 +85,13 @@ def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path) ->
             target_ep = ep_size or saved_ep
             plans += _expert_plans(root, family, members, saved_ep, target_ep, world_size,
                                    by_global)
+    if ep_size is not None and not any(
+            p[2].expert_parallel is not None for p in plans):
+        raise CheckpointError(
+            f"{root}: --ep-size {ep_size}, but no instance of this checkpoint is keyed by global "
+            "expert (saved with expert parallelism, or with expert_offset declared), so there is "
+            "nothing to split over expert-parallel ranks. Declare expert_offset in the model "
+            "(README, Expert parallelism) and save again, or reshard without --ep-size.")
     staging = make_staging(out)
     try:
         described = []

@@ -20,7 +20,8 @@ from .format import (CHUNKING, ELEMENTWISE, FORMAT, FORMAT_VERSION, VALUE, Manif
                      VirtualRecord, describe_run, shard_file_name, tensor_key, write_manifest)
 from .safetensors_io import StreamingWriter, TensorPlan
 
-__all__ = ["save_checkpoint", "local_phase"]
+__all__ = ["save_checkpoint", "stage_checkpoint", "place_staged", "discard_staged",
+           "local_phase"]
 
 _T = TypeVar("_T")
 
@@ -38,6 +39,16 @@ def local_phase(fn: Callable[..., _T], *args: Any) -> tuple[_T | None, SelZeroEr
 def save_checkpoint(view: ShardView, folder: str | Path) -> None:
     """Every rank of the group calls this."""
     folder = Path(folder)
+    staging = stage_checkpoint(view, folder)
+    place_staged(view, staging, folder)
+
+
+def stage_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None = None) -> Path:
+    """Every rank of the group: write every shard and the manifest into a staging folder beside
+    ``folder`` and return it (the same path on every rank); nothing is put in place. A failure
+    on any rank of the group raises on every rank of the group, the staging folder removed.
+    ``save_id`` (a save of several instances) is recorded in the manifest."""
+    folder = Path(folder)
     comm = view.comm
     what = f"save_checkpoint({folder})"
     run, error = local_phase(describe_run, view)
@@ -52,12 +63,35 @@ def save_checkpoint(view: ShardView, folder: str | Path) -> None:
         agree_on_local_errors(comm, error, what=what)
         records = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
         if comm.rank == 0:
-            _, error = local_phase(_finish, view, run, records, staging, folder)
+            _, error = local_phase(_finish, view, run, records, staging, save_id)
         agree_on_local_errors(comm, error, what=what)
     except SelZeroError:
         if comm.rank == 0 and staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    return staging
+
+
+def place_staged(view: ShardView, staging: Path, folder: str | Path, *,
+                 keep_previous: bool = False) -> None:
+    """Every rank of the group: group rank 0 puts ``staging`` in place ([Note: atomic save]);
+    a failure raises on every rank of the group."""
+    comm = view.comm
+    error = None
+    if comm.rank == 0:
+        _, error = local_phase(lambda: put_in_place(staging, Path(folder),
+                                                    keep_previous=keep_previous))
+    try:
+        agree_on_local_errors(comm, error, what=f"save_checkpoint({folder})")
+    except SelZeroError:
+        discard_staged(view, staging)
+        raise
+
+
+def discard_staged(view: ShardView, staging: Path | None) -> None:
+    """Group rank 0 removes a staging folder that will not be put in place."""
+    if view.comm.rank == 0 and staging is not None and staging.exists():
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _prepare_staging(folder: Path) -> Path:
@@ -102,7 +136,7 @@ def _write_shard(view: ShardView, run: RunSchema, staging: Path) -> dict[str, An
 
 
 def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], staging: Path,
-            folder: Path) -> None:
+            save_id: str | None) -> None:
     stateful = {v for r in records for v in r["stateful"]}
     virtuals = [VirtualRecord(v.key, v.entry, v.expert, v.numel, v.shape, v.group,
                               i in stateful).to_json() for i, v in enumerate(run.virtuals)]
@@ -130,6 +164,7 @@ def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], stag
         "shards": [{k: r[k] for k in ("rank", "file", "bytes", "sha256")}
                    for r in sorted(records, key=lambda r: r["rank"])],
     }
+    if save_id is not None:
+        raw["save_id"] = save_id  # the index.json of the same save holds it too
     Manifest.from_json(raw, where="manifest being written")  # the writer checks its own output
     write_manifest(staging, raw)
-    put_in_place(staging, folder)

@@ -1,0 +1,187 @@
+"""``selzero plan``: the per-rank bytes selzero will hold for a selection, before any run.
+
+[Note: memory plan]
+The prediction uses the engine's own arithmetic on the model's shapes (a model on the meta
+device will do: no weights): ``resolve_selection`` and ``plan_layout`` give every rank's real
+chunks, and the optimizer's state is found by stepping a throwaway parameter
+(``probe_state``). Per rank r, over the slots (virtual parameters with a non-empty chunk on r):
+
+- gradient shard: 4 bytes x the real chunk elements (FP32, no padding);
+- masters: 4 bytes x the real chunk elements of bf16 / fp16 parameters;
+- optimizer state: per slot, each elementwise state tensor's element size x the chunk's
+  elements, plus each scalar state tensor's element size (AdamW: ``exp_avg``, ``exp_avg_sq``
+  and a 0-dim ``step``), once the slot has been stepped.
+
+This is what ``SelectedZero2.memory_report()`` measures from the live storages once every
+(virtual) parameter has been stepped; the tests and ``benchmarks/`` check that they are equal
+to the byte. Beside it: the same subset under DDP (full gradients in the parameter dtype and
+torch's state on every rank) and under ZeRO-2 of the whole model (DeepSpeed: FP32 gradient
+partition, FP32 master partition for low-precision parameters, FP32 Adam state, each 1/N of
+the model).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint.format import ELEMENTWISE, probe_state
+from .config import SelZeroConfig
+from .core.layout import EntrySpec, plan_layout
+from .core.optim import resolve_optimizer_class
+from .core.selection import resolve_selection
+from .errors import ConfigError, SelectionError
+
+__all__ = ["RankPlan", "MemoryPlan", "plan_memory", "load_model", "run_plan"]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Predicted bytes of one rank, the fields of ``MemoryReport``."""
+
+    rank: int
+    grad_shard: int
+    optimizer_state: int
+    master: int
+
+    @property
+    def total(self) -> int:
+        return self.grad_shard + self.optimizer_state + self.master
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    world_size: int
+    selected: int  # tensors
+    virtual: int  # virtual parameters
+    elements: int  # trainable selected elements
+    model_elements: int  # trainable elements of the whole model
+    ranks: list[RankPlan]
+    ddp_subset: int  # per rank: the subset's gradients + state, unsharded
+    zero2_model: int  # per rank: ZeRO-2 over the whole model (grad + master + Adam partitions)
+    ideal_total: int  # the subset's sharded bytes divided evenly (sum over ranks / N)
+
+
+def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_size: int,
+                optimizer: Any = torch.optim.AdamW,
+                optimizer_kwargs: dict[str, Any] | None = None) -> MemoryPlan:
+    """[Note: memory plan] for ``model`` (any device, meta included) over ``world_size`` ranks."""
+    if isinstance(config, dict):
+        config = SelZeroConfig.from_dict(config)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size={world_size!r}: expected a positive integer.")
+    entries = resolve_selection(model, params=list(config.params), modules=list(config.modules),
+                                expert_dim=config.expert_dim)
+    trainable = [e for e in entries if not e.frozen]
+    if not trainable:
+        raise SelectionError(f"params={list(config.params)} modules={list(config.modules)} select "
+                             "no trainable parameter of the model; check the names with "
+                             "model.named_parameters().")
+    layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
+                          for e in trainable], world_size, int(config.bucket_mb * 2 ** 20))
+    cls = resolve_optimizer_class(optimizer)
+    kwargs = dict(optimizer_kwargs or {})
+    state = probe_state(cls, kwargs, kwargs, torch.device("cpu"))
+    per_element = sum(s.dtype.itemsize for s in state.values() if s.kind == ELEMENTWISE)
+    per_slot = sum(s.dtype.itemsize for s in state.values() if s.kind != ELEMENTWISE)
+    ranks = []
+    for r in range(world_size):
+        slots = layout.shard_slots(r)
+        numel = sum(s.numel for s in slots)
+        low = sum(s.numel for s in slots
+                  if trainable[layout.virtuals[s.virtual].entry].param.dtype != torch.float32)
+        ranks.append(RankPlan(r, 4 * numel, per_element * numel + per_slot * len(slots), 4 * low))
+    elements = sum(e.param.numel() for e in trainable)
+    ddp = sum(e.param.numel() * e.param.element_size() * (1 + per_element // 4)
+              + per_slot for e in trainable)
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    model_elements = sum(p.numel() for p in model_params)
+    zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))
+                for p in model_params)
+    return MemoryPlan(world_size, len(entries), len(layout.virtuals), elements, model_elements,
+                      ranks, ddp, zero2, -(-sum(r.total for r in ranks) // world_size))
+
+
+# ---- the command --------------------------------------------------------------------------
+
+
+def load_model(spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """``module:factory`` (called with no arguments) or a transformers config JSON, built on
+    the meta device (no weights)."""
+    path = Path(spec)
+    if spec.endswith(".json") and path.is_file():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        raw = json.loads(path.read_text())
+        config = AutoConfig.for_model(**raw) if "model_type" in raw else None
+        if config is None:
+            raise ConfigError(f"{spec}: a transformers config needs \"model_type\" (e.g. "
+                              "\"qwen3_moe\").")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    else:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"model {spec!r}: expected `package.module:factory` or a "
+                              "transformers config .json file.")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"model {spec!r}: cannot import it ({type(e).__name__}: {e}).") \
+                from None
+        with torch.device("meta"):
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model {spec!r}: the factory returned {type(model).__name__}, "
+                              "expected a torch.nn.Module.")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+_OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}),
+               "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
+
+
+def _mib(n: int) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def run_plan(model: str, *, params: list[str], world_size: int, dtype: str = "fp32",
+             optimizer: str = "adamw", expert_dim: int | None = None,
+             modules: list[str] | None = None, bucket_mb: float = 25.0) -> int:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes or optimizer not in _OPTIMIZERS:
+        raise ConfigError(f"--dtype {dtype!r} / --optimizer {optimizer!r}: expected one of "
+                          f"{sorted(dtypes)} / {sorted(_OPTIMIZERS)}.")
+    net = load_model(model, dtype=None if dtype == "fp32" else dtypes[dtype])
+    cls, kwargs = _OPTIMIZERS[optimizer]
+    plan = plan_memory(net, SelZeroConfig(params=params, modules=modules or [],
+                                          expert_dim=expert_dim, bucket_mb=bucket_mb),
+                       world_size, cls, kwargs)
+    print(f"selzero plan: {model}, {dtype}, {cls.__name__}, {world_size} rank(s)")
+    print(f"  selected: {plan.selected} tensor(s), {plan.virtual} virtual parameter(s), "
+          f"{plan.elements:,} elements ({plan.elements / max(plan.model_elements, 1):.1%} of the "
+          f"model's {plan.model_elements:,} trainable)")
+    print(f"  {'rank':>6} {'grad shard':>14} {'optimizer state':>16} {'masters':>14} "
+          f"{'total':>14}")
+    shown = plan.ranks if world_size <= 8 else plan.ranks[:4] + plan.ranks[-2:]
+    for r in shown:
+        print(f"  {r.rank:>6} {_mib(r.grad_shard):>14} {_mib(r.optimizer_state):>16} "
+              f"{_mib(r.master):>14} {_mib(r.total):>14}")
+    top = max(r.total for r in plan.ranks)
+    print(f"  per rank, the subset: selzero {_mib(top)} (largest rank; even split "
+          f"{_mib(plan.ideal_total)}) vs DDP {_mib(plan.ddp_subset)} "
+          f"({plan.ddp_subset / max(top, 1):.2f}x selzero)")
+    print(f"  per rank, ZeRO-2 over the whole model (DeepSpeed: FP32 grads, masters, Adam): "
+          f"{_mib(plan.zero2_model)}")
+    return 0
