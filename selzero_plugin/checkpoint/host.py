@@ -43,7 +43,7 @@ from ..core.zero2 import SelectedZero2
 from ..errors import CheckpointError, SelZeroError, UsageError
 from .atomic import fsync_dir, previous_folder
 from .load import install_read, read_checkpoint
-from .save import discard_staged, place_staged, stage_checkpoint
+from .save import discard_staged, local_phase, place_staged, stage_checkpoint
 
 __all__ = ["FOLDER", "INDEX", "save_into", "load_from", "has_folder", "read_index",
            "describe_instance", "instance_record", "check_layout", "family_of", "ranges"]
@@ -171,16 +171,6 @@ def _world(instances: Sequence[SelectedZero2]) -> Communicator:
                                device=device, shared=True)
 
 
-def _local(fn: Any, *args: Any) -> tuple[Any, SelZeroError | None]:
-    """A rank-local phase: any failure becomes an error the ranks agree on (never a hang)."""
-    try:
-        return fn(*args), None
-    except SelZeroError as e:
-        return None, e
-    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
-        return None, CheckpointError(f"{type(e).__name__}: {e}")
-
-
 def _gather_layout(instances: Sequence[SelectedZero2], world: Communicator,
                    error: SelZeroError | None, what: str) -> dict[str, Any]:
     mine = [] if error is not None else \
@@ -201,7 +191,7 @@ def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
     loads as one save: the new one, or the previous one. Returns the selzero folder."""
     what = f"save into {host_dir}"
     world = _world(instances)
-    _, error = _local(_check_names, instances)
+    _, error = local_phase(_check_names, instances)
     index = _gather_layout(instances, world, error, what)
     save_id = world.broadcast_bytes(secrets.token_hex(8).encode() if world.rank == 0 else None
                                     ).decode()
@@ -231,7 +221,7 @@ def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
     agree_on_local_errors(world, error, what=what)
     error = None
     if world.rank == 0:
-        _, error = _local(_write_index, root, index)
+        _, error = local_phase(_write_index, root, index)
     agree_on_local_errors(world, error, what=what)  # the index names this save: old ones go
     for sz in instances:
         if sz.comm.rank == 0:
