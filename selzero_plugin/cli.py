@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--modules", action="append", default=[], metavar="CLASS",
                       help="module class whose parameters to select (repeat for several)")
     plan.add_argument("--world-size", type=int, required=True, help="ranks of selzero's group")
-    plan.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                      help="parameter dtype (bf16/fp16: FP32 masters)")
+    plan.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                      help="cast the model's parameters to this dtype (bf16/fp16: FP32 masters; "
+                           "default: as the model is built, e.g. a config's torch_dtype)")
     plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     plan.add_argument("--expert-dim", type=int, default=None, choices=[0],
                       help="0: fused expert tensors as one virtual parameter per expert")

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from torch import nn
 from .checkpoint.format import ELEMENTWISE, probe_state
 from .config import SelZeroConfig
 from .core.layout import EntrySpec, plan_layout
-from .core.optim import resolve_optimizer_class
+from .core.optim import check_elementwise, plan_groups, resolve_optimizer_class
 from .core.selection import resolve_selection
 from .errors import ConfigError, SelectionError
 
@@ -85,21 +87,33 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
                              "model.named_parameters().")
     layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
                           for e in trainable], world_size, int(config.bucket_mb * 2 ** 20))
+    if isinstance(optimizer, torch.optim.Optimizer):  # an instance: its class and defaults
+        optimizer, optimizer_kwargs = type(optimizer), dict(optimizer.defaults)
     cls = resolve_optimizer_class(optimizer)
+    check_elementwise(cls, list(config.extra_elementwise_optimizers))  # as the engine refuses
     kwargs = dict(optimizer_kwargs or {})
-    state = probe_state(cls, kwargs, kwargs, torch.device("cpu"))
-    per_element = sum(s.dtype.itemsize for s in state.values() if s.kind == ELEMENTWISE)
-    per_slot = sum(s.dtype.itemsize for s in state.values() if s.kind != ELEMENTWISE)
+    # each entry's state follows its optimizer group (config.param_groups), as in the engine
+    groups = plan_groups(trainable, kwargs, list(config.param_groups))
+    per_element, per_slot = [0] * len(trainable), [0] * len(trainable)
+    for group in groups:
+        if not group.members:
+            continue
+        state = probe_state(cls, group.hyper, kwargs, torch.device("cpu"))
+        for t in group.members:
+            per_element[t] = sum(s.dtype.itemsize for s in state.values() if s.kind == ELEMENTWISE)
+            per_slot[t] = sum(s.dtype.itemsize for s in state.values() if s.kind != ELEMENTWISE)
     ranks = []
     for r in range(world_size):
         slots = layout.shard_slots(r)
+        entry = [layout.virtuals[s.virtual].entry for s in slots]
         numel = sum(s.numel for s in slots)
-        low = sum(s.numel for s in slots
-                  if trainable[layout.virtuals[s.virtual].entry].param.dtype != torch.float32)
-        ranks.append(RankPlan(r, 4 * numel, per_element * numel + per_slot * len(slots), 4 * low))
+        low = sum(s.numel for s, t in zip(slots, entry)
+                  if trainable[t].param.dtype != torch.float32)
+        state_bytes = sum(per_element[t] * s.numel + per_slot[t] for s, t in zip(slots, entry))
+        ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
     elements = sum(e.param.numel() for e in trainable)
-    ddp = sum(e.param.numel() * e.param.element_size() * (1 + per_element // 4)
-              + per_slot for e in trainable)
+    ddp = sum(e.param.numel() * e.param.element_size() * (1 + per_element[t] // 4)
+              + per_slot[t] for t, e in enumerate(trainable))
     model_params = [p for p in model.parameters() if p.requires_grad]
     model_elements = sum(p.numel() for p in model_params)
     zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))
@@ -127,6 +141,8 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
             model = AutoModelForCausalLM.from_config(config)
     else:
         module_name, _, attr = spec.partition(":")
+        if os.getcwd() not in sys.path:  # a console script does not put it there
+            sys.path.insert(0, os.getcwd())
         if not module_name or not attr:
             raise ConfigError(f"model {spec!r}: expected `package.module:factory` or a "
                               "transformers config .json file.")
@@ -156,14 +172,16 @@ def _mib(n: int) -> str:
     return f"{n} B"
 
 
-def run_plan(model: str, *, params: list[str], world_size: int, dtype: str = "fp32",
+def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | None = None,
              optimizer: str = "adamw", expert_dim: int | None = None,
              modules: list[str] | None = None, bucket_mb: float = 25.0) -> int:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes or optimizer not in _OPTIMIZERS:
+    if dtype is not None and dtype not in dtypes or optimizer not in _OPTIMIZERS:
         raise ConfigError(f"--dtype {dtype!r} / --optimizer {optimizer!r}: expected one of "
                           f"{sorted(dtypes)} / {sorted(_OPTIMIZERS)}.")
-    net = load_model(model, dtype=None if dtype == "fp32" else dtypes[dtype])
+    net = load_model(model, dtype=None if dtype is None else dtypes[dtype])
+    built = sorted({str(p.dtype).replace("torch.", "") for p in net.parameters()})
+    dtype = "/".join(built) + ("" if dtype is not None else " (as built; --dtype to cast)")
     cls, kwargs = _OPTIMIZERS[optimizer]
     plan = plan_memory(net, SelZeroConfig(params=params, modules=modules or [],
                                           expert_dim=expert_dim, bucket_mb=bucket_mb),

@@ -254,11 +254,10 @@ def run_ranks_with_crash(fn: Any, world: int, *args: Any, timeout: float = 90.0,
     (killing stragglers after ``timeout``) and returns their exit codes."""
     import tempfile
 
-    import torch.multiprocessing as mp
 
-    from .dist_utils import _child
+    from .dist_utils import _child, _context
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")

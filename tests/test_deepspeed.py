@@ -241,6 +241,7 @@ def test_resume_from_engine_checkpoint(checkpoints, batch):
     root = tmp_path / "global_step3" / "selected_zero2"
     assert (tmp_path / "latest").read_text().strip() == "global_step3"
     index = json.loads((root / "index.json").read_text())
+    assert len(index.pop("save_id")) == 16
     assert index == {"format": 1, "world_size": 2, "instances": [
         {"name": "selected_zero2", "ranks": [0, 1], "family": "selected_zero2", "ep_rank": None,
          "ep_size": None, "experts": {}, "unplaced": SELECTED_COUNT}],

@@ -438,9 +438,17 @@ def _atomic_phase(rank: int, world: int, work: str) -> dict:
         load_from(work / "ck", [sz])
     out["after_place_failure"] = same(values(), first)
     out["previous_note"] = [str(w.message) for w in caught if "previous" in str(w.message)]
+    train()  # a second save interrupted the same way keeps the save the index names
+    failing("put_in_place")
+    out["place_failed_again"] = attempt(save_into, work / "ck", [sz])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_from(work / "ck", [sz])
+    out["after_second_place_failure"] = same(values(), first)
     train()
     save_into(work / "ck", [sz])
     second = values()
+    dist.all_reduce(torch.zeros(1))  # each group's rank 0 removes its old folder after the index
     out["leftovers"] = sorted(p.name for p in (work / "ck" / "selected_zero2").iterdir())
     train()
     save_into(work / "ck2", [sz])
@@ -473,6 +481,7 @@ def test_a_save_or_load_of_several_instances_is_one_operation_of_the_job(tmp_pat
         assert "No space left on device" in v["write_failed"], v
         assert "No space left on device" in v["place_failed"], v
         assert v["after_write_failure"] and v["after_place_failure"], v
+        assert v["place_failed_again"] and v["after_second_place_failure"], v
         assert v["leftovers"] == ["index.json", "selected_zero2-ep0", "selected_zero2-ep1"], v
         assert "sha256 differs" in v["damaged"] and v["kept_after_damaged"], v
         assert "index.json differs" in v["different"] and v["kept_after_different"], v

@@ -42,13 +42,21 @@ class Net(nn.Module):
 
 
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}),
-              "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
+              "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+              # param groups change the state of some slots (amsgrad: one more tensor)
+              "adamw-groups": (torch.optim.AdamW, {"lr": 1e-3})}
+
+
+def _config(optimizer: str) -> dict:
+    if optimizer == "adamw-groups":
+        return {**CONFIG, "param_groups": [{"params": ["*.bias"], "amsgrad": True}]}
+    return CONFIG
 
 
 def _measured(rank: int, world: int, optimizer: str) -> dict:
     cls, kwargs = OPTIMIZERS[optimizer]
     net = Net()
-    sz = SelectedZero2(net, CONFIG, cls, kwargs)
+    sz = SelectedZero2(net, _config(optimizer), cls, kwargs)
     net(torch.randn(6, 7)).pow(2).mean().backward()  # every expert gets a gradient
     sz.step()
     report = sz.memory_report()
@@ -58,12 +66,12 @@ def _measured(rank: int, world: int, optimizer: str) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adamw-groups"])
 def test_plan_equals_the_measured_report_on_every_rank(optimizer):
     cls, kwargs = OPTIMIZERS[optimizer]
     with torch.device("meta"):
         model = Net()
-    plan = plan_memory(model, CONFIG, 3, cls, kwargs)
+    plan = plan_memory(model, _config(optimizer), 3, cls, kwargs)
     got = all_values(run_ranks(_measured, 3, optimizer, timeout=120))
     assert len({r["grad_shard"] for r in got}) > 1  # the ranks differ: uneven chunks
     for rank, measured in enumerate(got):

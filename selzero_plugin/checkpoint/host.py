@@ -41,7 +41,7 @@ from ..core.comm import Communicator
 from ..core.contract import agree_on_local_errors
 from ..core.zero2 import SelectedZero2
 from ..errors import CheckpointError, SelZeroError, UsageError
-from .atomic import fsync_dir, previous_folder
+from .atomic import fsync_dir, leftover_stagings, previous_folder
 from .load import install_read, read_checkpoint
 from .save import discard_staged, local_phase, place_staged, stage_checkpoint
 
@@ -193,10 +193,11 @@ def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
     world = _world(instances)
     _, error = local_phase(_check_names, instances)
     index = _gather_layout(instances, world, error, what)
-    save_id = world.broadcast_bytes(secrets.token_hex(8).encode() if world.rank == 0 else None
-                                    ).decode()
-    index["save_id"] = save_id
     root = Path(host_dir) / FOLDER
+    # this save's id, and the id of the save the current index names (kept until replaced)
+    ids = world.broadcast_bytes(json.dumps(_ids(root)).encode() if world.rank == 0 else None)
+    save_id, committed = json.loads(ids.decode())
+    index["save_id"] = save_id
     staged: list[tuple[SelectedZero2, Path | None]] = []
     error = None
     for sz in instances:  # every instance, also after a failure: its group waits for this rank
@@ -215,7 +216,8 @@ def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
     error = None
     for sz, staging in staged:
         try:
-            place_staged(sz.checkpoint_view(), staging, root / sz.config.name, keep_previous=True)
+            place_staged(sz.checkpoint_view(), staging, root / sz.config.name,
+                         keep_previous=True, committed=committed)
         except SelZeroError as e:
             error = error or e
     agree_on_local_errors(world, error, what=what)
@@ -225,8 +227,22 @@ def save_into(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
     agree_on_local_errors(world, error, what=what)  # the index names this save: old ones go
     for sz in instances:
         if sz.comm.rank == 0:
-            shutil.rmtree(previous_folder(root / sz.config.name), ignore_errors=True)
+            folder = root / sz.config.name
+            for stale in [previous_folder(folder), *leftover_stagings(folder)]:
+                shutil.rmtree(stale, ignore_errors=True)
     return root
+
+
+def _ids(root: Path) -> list[Any]:
+    """[new save_id, the save_id of the current index: None for an index without one, False
+    without an index]."""
+    committed: Any = False
+    if (root / INDEX).is_file():
+        try:
+            committed = json.loads((root / INDEX).read_text()).get("save_id")
+        except (OSError, ValueError, AttributeError):
+            committed = False
+    return [secrets.token_hex(8), committed]
 
 
 def _write_index(root: Path, index: dict[str, Any]) -> None:
@@ -344,15 +360,15 @@ def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
     reads, index_bytes, error = [], b"", None
     try:
         _check_names(instances)
-        save_id = None
+        save_id, indexed = None, False
         if (root / INDEX).is_file() or any(sz.expert_parallel for sz in instances):
             index_bytes = (root / INDEX).read_bytes() if (root / INDEX).is_file() else b""
             index = read_index(host_dir)
             _check_against_index(host_dir, index, instances, world.size)
-            save_id = index.get("save_id")
+            save_id, indexed = index.get("save_id"), True
         for sz in instances:
             reads.append(read_checkpoint(sz.checkpoint_view(), root / sz.config.name,
-                                         save_id=save_id))
+                                         save_id=save_id, indexed=indexed))
     except SelZeroError as e:
         error = e
     except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind

@@ -50,12 +50,14 @@ def load_checkpoint(view: ShardView, folder: str | Path) -> None:
     install_read(view, read, what=what)
 
 
-def read_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None = None) -> _Read:
+def read_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None = None,
+                    indexed: bool = False) -> _Read:
     """This rank's part, checked and read into fresh memory; no collective, nothing changed.
-    With ``save_id`` (from the index of a save of several instances) the folder whose manifest
-    holds it is read: ``folder``, or ``<folder>.previous`` after a save interrupted between
+    ``indexed`` (read through an index.json, whose ``save_id`` is given; None for an index
+    written without one) reads the folder whose manifest holds that ``save_id``: ``folder``,
+    or ``<folder>.previous`` after a save interrupted between
     putting instances in place ([Note: checkpoint index])."""
-    return _check_and_read(view, Path(folder), save_id)
+    return _check_and_read(view, Path(folder), save_id, indexed)
 
 
 def install_read(view: ShardView, read: _Read, *, what: str) -> None:
@@ -65,8 +67,8 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> None:
     view.install(read.values, read.states)
 
 
-def _resolve(folder: Path, save_id: str | None) -> tuple[Path, list[str]]:
-    if save_id is None:
+def _resolve(folder: Path, save_id: str | None, indexed: bool) -> tuple[Path, list[str]]:
+    if not indexed:
         return resolve_folder(folder)
     seen = []
     for candidate in (folder, previous_folder(folder)):
@@ -87,12 +89,13 @@ def _resolve(folder: Path, save_id: str | None) -> tuple[Path, list[str]]:
         "folders of another save). Load an earlier checkpoint.")
 
 
-def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None) -> _Read:
+def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
+                    indexed: bool = False) -> _Read:
     if not view.idle:
         raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
                          f"state {view.window_state}); call it before training or right after "
                          "step().")
-    path, notes = _resolve(folder, save_id)
+    path, notes = _resolve(folder, save_id, indexed)
     manifest = read_manifest(path)
     sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()
     run = describe_run(view)

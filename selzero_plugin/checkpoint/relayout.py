@@ -24,6 +24,7 @@ complete or absent.
 from __future__ import annotations
 
 import copy
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -92,13 +93,16 @@ def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path) ->
             "expert (saved with expert parallelism, or with expert_offset declared), so there is "
             "nothing to split over expert-parallel ranks. Declare expert_offset in the model "
             "(README, Expert parallelism) and save again, or reshard without --ep-size.")
+    save_id = secrets.token_hex(8)  # one save: the index names it, every manifest holds it
     staging = make_staging(out)
     try:
         described = []
         for name, ranks, manifest, stream in plans:
+            manifest = Manifest.from_json({**manifest.raw, "save_id": save_id},
+                                          where=f"resharded manifest of {name}")
             write_sharded(staging / name, manifest, stream())
             described.append(_described(name, ranks, manifest))
-        _write_index(staging, check_layout(described, world_size))
+        _write_index(staging, {**check_layout(described, world_size), "save_id": save_id})
         if out.exists():
             out.rmdir()
         staging.rename(out)

@@ -5,6 +5,7 @@ atomic.py). A failure on any rank is raised on every rank, and the staging folde
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -15,13 +16,14 @@ from ..core.contract import agree_on_local_errors
 from ..core.optim import jsonable
 from ..core.view import ShardView
 from ..errors import CheckpointError, SelZeroError
-from .atomic import crash_point, make_staging, put_in_place, refuse_to_replace
+from .atomic import (MANIFEST_NAME, crash_point, fsync_dir, make_staging, previous_folder,
+                     put_in_place, refuse_to_replace)
 from .format import (CHUNKING, ELEMENTWISE, FORMAT, FORMAT_VERSION, VALUE, Manifest, RunSchema,
                      VirtualRecord, describe_run, shard_file_name, tensor_key, write_manifest)
 from .safetensors_io import StreamingWriter, TensorPlan
 
 __all__ = ["save_checkpoint", "stage_checkpoint", "place_staged", "discard_staged",
-           "local_phase"]
+           "manifest_save_id", "keep_committed_aside", "local_phase"]
 
 _T = TypeVar("_T")
 
@@ -73,19 +75,48 @@ def stage_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None
 
 
 def place_staged(view: ShardView, staging: Path, folder: str | Path, *,
-                 keep_previous: bool = False) -> None:
+                 keep_previous: bool = False, committed: Any = False) -> None:
     """Every rank of the group: group rank 0 puts ``staging`` in place ([Note: atomic save]);
-    a failure raises on every rank of the group."""
+    a failure raises on every rank of the group. ``committed`` (a save of several instances:
+    the ``save_id`` the current index names, None for an index without one; False: no index):
+    the folder holding that save is the one kept aside, never deleted."""
     comm = view.comm
     error = None
+
+    def place() -> None:
+        if committed is not False:
+            keep_committed_aside(Path(folder), committed)
+        put_in_place(staging, Path(folder), keep_previous=keep_previous)
+
     if comm.rank == 0:
-        _, error = local_phase(lambda: put_in_place(staging, Path(folder),
-                                                    keep_previous=keep_previous))
+        _, error = local_phase(place)
     try:
         agree_on_local_errors(comm, error, what=f"save_checkpoint({folder})")
     except SelZeroError:
         discard_staged(view, staging)
         raise
+
+
+def manifest_save_id(folder: Path) -> Any:
+    """The ``save_id`` in ``folder``'s manifest (None: written without one); False when the
+    folder holds no readable manifest."""
+    try:
+        raw = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return raw.get("save_id") if isinstance(raw, dict) else False
+
+
+def keep_committed_aside(folder: Path, committed: Any) -> None:
+    """Before ``folder`` is renamed aside for a new save: when an earlier save of several
+    instances was interrupted after this folder was replaced, ``folder`` holds that unnamed
+    save and ``<folder>.previous`` the one the index names; put the named one back, so that it
+    is the one kept (put_in_place deletes a stale ``.previous``)."""
+    previous = previous_folder(folder)
+    if manifest_save_id(folder) != committed and manifest_save_id(previous) == committed:
+        shutil.rmtree(folder)
+        os.rename(previous, folder)
+        fsync_dir(folder.parent)
 
 
 def discard_staged(view: ShardView, staging: Path | None) -> None:

@@ -213,6 +213,9 @@ def reshard(folder: str | os.PathLike[str], world_size: int, out: str | os.PathL
     path, manifest = open_checkpoint(folder)
     _require_valid(path, manifest)
     target = manifest.with_group_size(world_size, [])
+    if "save_id" in target.raw:  # no longer part of the save of several instances it was
+        target = Manifest.from_json({k: v for k, v in target.raw.items() if k != "save_id"},
+                                    where="resharded manifest")
     write_sharded(Path(out), target, iter_full_state(path, manifest))
     return Path(out)
 
