@@ -254,7 +254,6 @@ def run_ranks_with_crash(fn: Any, world: int, *args: Any, timeout: float = 90.0,
     (killing stragglers after ``timeout``) and returns their exit codes."""
     import tempfile
 
-
     from .dist_utils import _child, _context
 
     ctx = _context()
