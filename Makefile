@@ -8,7 +8,9 @@ TORCH_INDEX ?=
 EXTRAS ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: demo test bench venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +26,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[$(EXTRAS),bench]"
+	touch $(BENCH_STAMP)
+
+# side-by-side benchmarks (benchmarks/bench.py); tables and plots in benchmarks/results/
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

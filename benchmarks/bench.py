@@ -1,0 +1,571 @@
+"""selzero side by side with DDP, FSDP2 and DeepSpeed ZeRO-2: step time, memory, bytes moved.
+
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/bench.py``). Options:
+``--workloads a,c,d --modes ddp,selzero,fsdp2,deepspeed,deepspeed-sz,selzero-uneven
+--rounds 3 --steps 6 --warmup 2 --world 2 --backend gloo|nccl --out benchmarks/results``.
+
+Workloads (sizes are arguments of ``WORKLOADS``):
+  a  the 17M-parameter MoE of research/prior-art.md: 4 layers, each a dense Linear(256, 256)
+     and 8 experts Linear(256, 1024) -> GELU -> Linear(1024, 256); 64 tokens per rank.
+  b  the same shape at ~50M parameters (hidden 2048, 8 layers... see WORKLOADS), for 4 ranks.
+  c  many small experts: 8 layers x 64 experts Linear(64, 128) -> Linear(128, 64); 512 tokens,
+     so that the per-(virtual-)parameter cost of the step path shows.
+  d  a transformers Qwen3-MoE built from a config (fused experts, ``expert_dim: 0``).
+The timing rows route every token so that every expert gets tokens on every rank in every
+step (token i -> expert i mod E; Qwen3's router on random tokens): stock DeepSpeed ZeRO-1/2 and
+FSDP2 hang or train wrong otherwise (research/prior-art.md). ``selzero-uneven`` is selzero with
+routing that differs by rank and leaves experts without tokens (the peers cannot run it).
+
+Rows: ``ddp`` DDP + AdamW on everything; ``selzero`` selzero on the experts + DDP on the rest;
+``fsdp2`` fully_shard(reshard_after_forward=False) per expert block + root; ``deepspeed`` stock
+DeepSpeed ZeRO-2 over the whole model; ``deepspeed-sz`` DeepSpeed ZeRO-2 with the
+``"selected_zero2"`` entry.
+
+Method. Modes are interleaved round-robin in fresh processes (ddp, selzero, ..., ddp, selzero,
+...), so a busy machine slows a whole round alike; each figure is the median over rounds and
+each ratio is taken within a round (median and min-max over rounds). Per mode and round:
+
+- ms/step: median after warm-up;
+- subset bytes per rank: gradients + optimizer state + masters of the expert parameters, from
+  the live tensors' storages after a step (for selzero ``memory_report()``, whose
+  ``ideal_total`` is the real-chunk ideal; FSDP2: the local shards; DDP: full tensors);
+- peak RSS per rank (``ru_maxrss``);
+- bytes passed to collectives per step, counted by wrapping ``torch.distributed``'s collectives
+  in every worker before anything else is imported (DDP's C++ reducer through a counting comm
+  hook), split into the expert subset's and the rest, and converted to bytes on the wire per
+  rank under the ring model (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the
+  full size, broadcast 1x); the lower bound for the subset is (N-1)/N * P * (4 + b): an FP32
+  reduce-scatter plus an all-gather in the parameter dtype. DeepSpeed on CPU may move some
+  bytes through its own shared-memory op, which the wrapper does not see: its rows say so.
+
+Output: ``<out>/bench-<workload>.md`` (the table and the command line) and ``.png`` (a plot of
+the step-time ratios and subset bytes), ``<out>/bench.json`` (every round's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "a": {"kind": "moe", "d": 256, "h": 1024, "experts": 8, "layers": 4, "tokens": 64},
+    "b": {"kind": "moe", "d": 512, "h": 1024, "experts": 8, "layers": 6, "tokens": 64},
+    "c": {"kind": "moe", "d": 64, "h": 128, "experts": 64, "layers": 8, "tokens": 512},
+    "d": {"kind": "qwen3", "hidden": 256, "moe_intermediate": 256, "experts": 16,
+          "layers": 4, "tokens": 64},
+}
+MODES = ["ddp", "selzero", "fsdp2", "deepspeed", "deepspeed-sz", "selzero-uneven"]
+
+
+# ---- counting collectives ------------------------------------------------------------------
+
+
+class Counter:
+    """Bytes passed to collectives since the last ``take()``, by (op, subset?)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, int, int, bool]] = []  # op, bytes, group size, subset
+        self.active = False
+
+    def add(self, op: str, nbytes: int, size: int, subset: bool) -> None:
+        if self.active:
+            self.rows.append((op, nbytes, size, subset))
+
+    def take(self) -> list[tuple[str, int, int, bool]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+
+COUNTER = Counter()
+PLAN_CHECK: dict[str, Any] = {}
+_RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+         "all_to_all": lambda n: (n - 1) / n}
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size() if hasattr(t, "numel") else 0
+
+
+def install_counters() -> None:
+    """Wrap torch.distributed's collectives (before selzero, FSDP2 or DeepSpeed bind them)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def wrap(name: str, op: str, size_of: Callable[..., int]) -> None:
+        original = getattr(c10d, name, None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            n = dist.get_world_size(group) if dist.is_initialized() else 1
+            # selzero's own groups are named selzero-...: their traffic is the subset's
+            name = getattr(group, "group_name", "") if group is not None else ""
+            COUNTER.add(op, size_of(*args, **kwargs), n, name.startswith("selzero-"))
+            return original(*args, **kwargs)
+
+        setattr(c10d, name, counted)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, counted)
+
+    wrap("all_reduce", "all_reduce", lambda t, *a, **k: _nbytes(t))
+    wrap("reduce_scatter_tensor", "reduce_scatter", lambda out, inp, *a, **k: _nbytes(inp))
+    wrap("all_gather_into_tensor", "all_gather", lambda out, inp, *a, **k: _nbytes(out))
+    wrap("all_gather", "all_gather", lambda outs, inp, *a, **k: _nbytes(outs))
+    wrap("reduce_scatter", "reduce_scatter", lambda out, ins, *a, **k: _nbytes(ins))
+    wrap("broadcast", "broadcast", lambda t, *a, **k: _nbytes(t))
+    wrap("all_to_all_single", "all_to_all", lambda out, inp, *a, **k: _nbytes(inp))
+
+
+def ddp_counting_hook(subset_ids: set[int]) -> Callable[..., Any]:
+    """A DDP comm hook: count each bucket (its expert part as subset), then all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state: Any, bucket: Any) -> Any:
+        import torch.distributed as dist
+
+        n = dist.get_world_size()
+        params = bucket.parameters()
+        subset = sum(p.numel() * p.element_size() for p in params if id(p) in subset_ids)
+        COUNTER.add("all_reduce", subset, n, True)
+        COUNTER.add("all_reduce", _nbytes(bucket.buffer()) - subset, n, False)
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
+def wire_bytes(rows: list[tuple[str, int, int, bool]], subset: bool) -> tuple[int, int]:
+    """(bytes passed to collectives, bytes on the wire per rank under the ring model)."""
+    chosen = [r for r in rows if r[3] == subset]
+    return (sum(r[1] for r in chosen),
+            int(sum(r[1] * _RING[r[0]](r[2]) for r in chosen if r[2] > 1)))
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+def build_model(spec: dict[str, Any]) -> Any:
+    import torch
+    from torch import nn
+
+    if spec["kind"] == "qwen3":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            vocab_size=512, hidden_size=spec["hidden"], intermediate_size=spec["hidden"] * 2,
+            moe_intermediate_size=spec["moe_intermediate"], num_hidden_layers=spec["layers"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=spec["hidden"] // 4,
+            num_experts=spec["experts"], num_experts_per_tok=2, decoder_sparse_step=1,
+            max_position_embeddings=256, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(config)
+
+    d, h, experts = spec["d"], spec["h"], spec["experts"]
+
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w2 = nn.Linear(d, h), nn.Linear(h, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w2(nn.functional.gelu(self.w1(x)))
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = nn.Linear(d, d)
+            self.experts = nn.ModuleList(Expert() for _ in range(experts))
+            self.routes: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.relu(self.dense(x))
+            y = torch.zeros_like(hidden)
+            for e, expert in enumerate(self.experts):
+                idx = (self.routes == e).nonzero().flatten()
+                if idx.numel():
+                    y = y.index_add(0, idx, expert(hidden[idx]))
+            return x + y
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(d, d)
+            self.layers = nn.ModuleList(Layer() for _ in range(spec["layers"]))
+
+        def route(self, routes: torch.Tensor) -> None:
+            for layer in self.layers:
+                layer.routes = routes
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    return MoE()
+
+
+def expert_names(spec: dict[str, Any]) -> list[str]:
+    return ["*.mlp.experts.*"] if spec["kind"] == "qwen3" else ["*.experts.*"]
+
+
+def is_expert(spec: dict[str, Any], name: str) -> bool:
+    return ".mlp.experts." in name if spec["kind"] == "qwen3" else ".experts." in name
+
+
+# ---- one mode in one set of processes --------------------------------------------------------
+
+
+def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argparse.Namespace,
+            init: str, out: str) -> None:
+    install_counters()  # before selzero / FSDP2 / DeepSpeed bind the collectives
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(29500 + os.getpid() % 400)})
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group(args.backend, init_method=f"file://{init}", rank=rank,
+                            world_size=world)
+    model = build_model(spec).to(device)
+    subset = [p for n, p in model.named_parameters() if is_expert(spec, n)]
+    subset_ids = {id(p) for p in subset}
+    step, memory = _setup(mode, model, spec, subset, subset_ids, args)
+    batch = _batch(spec, rank, mode, device)
+    times, counted = [], []
+    for i in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        COUNTER.active = i == args.warmup  # one step's collectives, after warm-up
+        t0 = time.perf_counter()
+        step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        COUNTER.active = False
+        if i == args.warmup:
+            counted = COUNTER.take()
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
+                        dtype=torch.float64, device=device)
+    peaks = torch.zeros(world, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(peaks, peak)
+    bytes_subset, ideal = memory()
+    passed, wire = wire_bytes(counted, True)
+    if mode == "fsdp2":  # one group for the expert blocks and the root: the experts' share is
+        # all of FSDP2's traffic minus the root's (its dense parameters: an FP32
+        # reduce-scatter and an all-gather, ring model)
+        dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                    if not is_expert(spec, n))
+        total = wire_bytes(counted, False)[1]
+        wire = int(total - (world - 1) / world * dense * 2)
+        passed = -1
+    result = {"mode": mode, "ms": 1000 * statistics.median(times[args.warmup:]),
+              "subset_bytes": bytes_subset, "subset_ideal": ideal,
+              "peak_rss_mib": peaks.tolist(), "subset_passed": passed, "subset_wire": wire,
+              "other_wire": wire_bytes(counted, False)[1] if mode != "fsdp2" else
+              int((world - 1) / world * sum(p.numel() * p.element_size() * 2 for n, p in
+                                          model.named_parameters() if not is_expert(spec, n))),
+              "subset_elements": sum(p.numel() for p in subset),
+              "subset_dtype_bytes": subset[0].element_size(),
+              "ops": sorted({f"{op}{'*' if s else ''}" for op, _, _, s in counted}),
+              "plan": dict(PLAN_CHECK)}
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _batch(spec: dict[str, Any], rank: int, mode: str, device: Any) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    if spec["kind"] == "qwen3":
+        return torch.randint(0, 512, (2, spec["tokens"] // 2), generator=g).to(device)
+    tokens, experts = spec["tokens"], spec["experts"]
+    x = torch.randn(tokens, spec["d"], generator=g).to(device)
+    routes = torch.arange(tokens) % experts  # every expert gets tokens on every rank
+    if mode == "selzero-uneven":  # rank r skips experts r, r + 2, ...; differs by rank
+        routes = torch.where(routes % 2 == rank % 2, (routes + 1) % experts, routes)
+    return x, routes.to(device)
+
+
+def _loss(model: Any, spec: dict[str, Any], batch: Any, forward: Any = None) -> Any:
+    forward = forward or model
+    if spec["kind"] == "qwen3":
+        return forward(input_ids=batch, labels=batch).loss
+    x, routes = batch
+    (model.module if hasattr(model, "module") else model).route(routes)
+    return forward(x).pow(2).mean()
+
+
+def _bytes(tensors: list[Any]) -> int:
+    seen = {}
+    for t in tensors:
+        if hasattr(t, "untyped_storage"):
+            if hasattr(t, "to_local"):
+                t = t.to_local()
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subset_ids: set[int],
+           args: argparse.Namespace) -> tuple[Callable[[Any], None], Callable[[], tuple[int, int]]]:
+    import torch
+    from torch import nn
+
+    kwargs = {"lr": 1e-4, "weight_decay": 0.1}
+    sz_config = {"params": expert_names(spec), "bucket_mb": args.bucket_mb,
+                 **({"expert_dim": 0} if spec["kind"] == "qwen3" else {})}
+
+    def full_state(opt: Any) -> Callable[[], tuple[int, int]]:
+        def memory() -> tuple[int, int]:
+            tensors = [p.grad for p in subset] + [v for p in subset
+                                                  for v in opt.state[p].values()]
+            return _bytes(tensors), -1
+        return memory
+
+    if mode == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, ddp_counting_hook(subset_ids))
+        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+
+        def step(batch: Any) -> None:
+            _loss(model, spec, batch, ddp).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # DDP keeps its gradient buckets alive anyway
+        return step, full_state(opt)
+    if mode in ("selzero", "selzero-uneven"):
+        from selzero_plugin import SelectedZero2, wrap_ddp
+
+        sz = SelectedZero2(model, sz_config, torch.optim.AdamW, kwargs)
+        ddp = wrap_ddp(model, sz)
+        ddp.register_comm_hook(None, ddp_counting_hook(subset_ids))
+        host = torch.optim.AdamW([p for p in model.parameters() if id(p) not in subset_ids],
+                                 **kwargs)
+
+        def step(batch: Any) -> None:
+            _loss(model, spec, batch, ddp).backward()
+            host.step()
+            sz.step()
+            host.zero_grad()
+
+        def memory() -> tuple[int, int]:
+            report = sz.memory_report()
+            if mode == "selzero":  # every expert stepped: `selzero plan` must predict it exactly
+                import torch.distributed as dist
+
+                from selzero_plugin.plan import plan_memory
+
+                with torch.device("meta"):
+                    shape_only = build_model(spec)
+                predicted = plan_memory(shape_only, sz_config, dist.get_world_size(),
+                                        torch.optim.AdamW, kwargs).ranks[dist.get_rank()]
+                PLAN_CHECK.update(predicted=predicted.total, measured=report.total,
+                                  equal=(predicted.grad_shard, predicted.optimizer_state,
+                                         predicted.master) == (report.grad_shard,
+                                                               report.optimizer_state,
+                                                               report.master))
+            return report.total, report.ideal_total
+        return step, memory
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = [m for n, m in model.named_modules() if n.endswith(".experts")]
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+
+        def step(batch: Any) -> None:
+            _loss(model, spec, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        def memory() -> tuple[int, int]:
+            live = [p for n, p in model.named_parameters() if is_expert(spec, n)]
+            tensors = [p.grad for p in live] + [v for p in live for v in opt.state[p].values()]
+            return _bytes(tensors), -1
+        return step, memory
+    if mode in ("deepspeed", "deepspeed-sz"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.backend == "gloo" else "cuda")
+        if mode == "deepspeed-sz":
+            import selzero_plugin.deepspeed  # noqa: F401 - registers the entry
+        import deepspeed
+
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {**kwargs, "torch_adam": True}},
+            "steps_per_print": 10 ** 9}
+        if mode == "deepspeed-sz":
+            config["selected_zero2"] = sz_config
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        sz = getattr(engine, "selzero", None)
+
+        def step(batch: Any) -> None:
+            engine.backward(_loss(engine.module, spec, batch, engine))
+            engine.step()
+
+        def memory() -> tuple[int, int]:
+            if sz is not None:
+                report = sz.memory_report()
+                return report.total, report.ideal_total
+            return -1, -1  # DeepSpeed's flat partitions mix experts and dense parameters
+        return step, memory
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+def run_mode(mode: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        try:
+            mp.start_processes(_worker, nprocs=args.world, start_method="spawn",
+                               args=(args.world, mode, spec, args, os.path.join(tmp, "init"),
+                                     out))
+        except mp.ProcessExitedException as e:
+            if not os.path.exists(out):  # gloo can abort a process at exit after its work
+                raise
+            print(f"note: {mode}: a process ended abnormally after reporting ({e})",
+                  file=sys.stderr)
+        return json.loads(Path(out).read_text())
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def _mb(n: float) -> str:
+    return "n/a" if n < 0 else f"{n / 1e6:.2f} MB"
+
+
+def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[str],
+          args: argparse.Namespace) -> str:
+    base = "ddp" if "ddp" in modes else modes[0]
+    first = rounds[0][modes[0]]
+    n, p, b = args.world, first["subset_elements"], first["subset_dtype_bytes"]
+    bound = (n - 1) / n * p * (4 + b)
+    lines = [
+        f"### Workload {workload}: {json.dumps(WORKLOADS[workload])}",
+        "",
+        f"{args.world} ranks ({args.backend}), {len(rounds)} rounds, modes interleaved in "
+        "fresh processes; median (min-max) over rounds, ratios taken within a round. Routing "
+        "reaches every expert on every rank in every step (the peers need it), except "
+        "`selzero-uneven`. Subset: the expert parameters, "
+        f"P = {p:,} elements; wire lower bound (N-1)/N * P * (4 + {b}) = {_mb(bound)} per rank.",
+        "",
+        f"| mode | ms/step | vs {base} | subset grad+state+master per rank | vs ideal | "
+        "peak RSS per rank (MiB) | subset wire bytes per rank | vs lower bound | other wire |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in modes:
+        rows = [rd[mode] for rd in rounds]
+        ms = statistics.median(r["ms"] for r in rows)
+        ratio = _spread([rd[mode]["ms"] / rd[base]["ms"] for rd in rounds])
+        mem, ideal = rows[0]["subset_bytes"], rows[0]["subset_ideal"]
+        vs_ideal = f"{mem / ideal:.4f}" if ideal > 0 and mem >= 0 else "n/a"
+        rss = " / ".join(f"{statistics.median(r['peak_rss_mib'][k] for r in rows):.0f}"
+                         for k in range(args.world))
+        wire = rows[0]["subset_wire"]
+        note = {"deepspeed": " (shm op not counted)", "deepspeed-sz": " (selzero's groups)",
+                "fsdp2": " (all FSDP2 minus the root's)"}.get(mode, "")
+        lines.append(f"| {mode} | {ms:.1f} | {ratio} | {_mb(mem)} | {vs_ideal} | {rss} | "
+                     f"{_mb(wire)}{note} | {wire / bound:.2f} | {_mb(rows[0]['other_wire'])} |")
+    plan = rounds[0].get("selzero", {}).get("plan")
+    if plan:
+        lines += ["", f"`selzero plan` on the same model and selection predicted "
+                  f"{plan['predicted']:,} bytes for rank 0; memory_report() measured "
+                  f"{plan['measured']:,}: {'equal in every field' if plan['equal'] else 'DIFFERENT'}."]
+    lines += ["", "Command: `" + " ".join(["benchmarks/bench.py", *sys.argv[1:]]) + "`", ""]
+    return "\n".join(lines)
+
+
+def plot(path: Path, workload: str, rounds: list[dict[str, dict[str, Any]]],
+         modes: list[str]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (the bench extra): no plot", file=sys.stderr)
+        return
+    base = "ddp" if "ddp" in modes else modes[0]
+    ratios = [[rd[m]["ms"] / rd[base]["ms"] for rd in rounds] for m in modes]
+    mem = [max(rounds[0][m]["subset_bytes"], 0) / 1e6 for m in modes]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(modes, [statistics.median(r) for r in ratios],
+             yerr=[[statistics.median(r) - min(r) for r in ratios],
+                   [max(r) - statistics.median(r) for r in ratios]], capsize=4)
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set_ylabel(f"step time / {base} (same round)")
+    right.bar(modes, mem)
+    right.set_ylabel("subset grad + state + master per rank (MB)")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"selzero benchmark, workload {workload}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="a,c,d")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.backend == "gloo" else "cuda")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = args.modes.split(",")
+    everything: dict[str, Any] = {"args": vars(args), "workloads": {}}
+    for workload in args.workloads.split(","):
+        spec = WORKLOADS[workload]
+        rounds = []
+        for r in range(args.rounds):
+            rounds.append({mode: run_mode(mode, spec, args) for mode in modes})
+            print(f"workload {workload} round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{m} {rounds[-1][m]['ms']:.0f} ms" for m in modes), file=sys.stderr)
+        text = table(workload, rounds, modes, args)
+        print(text)
+        (out / f"bench-{workload}.md").write_text(text)
+        plot(out / f"bench-{workload}.png", workload, rounds, modes)
+        everything["workloads"][workload] = rounds
+    (out / "bench.json").write_text(json.dumps(everything, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
