@@ -2,8 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/backward_memory.py  [--bucket-mb 16.8] [--world 2] [--steps 3]
 
-The 17M-parameter MoE of benchmarks/step_time.py, selzero on its experts, DDP on the rest, AdamW,
-64 tokens per rank routed unevenly (rank r sends its tokens to experts r, r+1, r+2 of each
+The 17M-parameter MoE of benchmarks/bench.py (workload a), selzero on its experts, DDP on the
+rest, AdamW, 64 tokens per rank routed unevenly (rank r sends its tokens to experts r, r+1, r+2 of each
 layer only). Every allocation and free on the training thread during ``loss.backward()`` is
 recorded (``selzero_plugin.memtrace``). Per rank: the peak of allocated-minus-freed bytes during
 the backward and what is still held at its end, each divided by the subset's padded FP32
@@ -24,7 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import E, MoE  # noqa: E402
+from bench import WORKLOADS, build_model  # noqa: E402
+
+SPEC = WORKLOADS["a"]
+E = SPEC["experts"]
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, init: str, queue: object) -> None:
@@ -34,16 +37,15 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str, queue: o
     from selzero_plugin import SelectedZero2, SelZeroConfig, wrap_ddp
     from selzero_plugin.memtrace import track_allocations
 
-    torch.manual_seed(0)
-    model = MoE()
+    model = build_model(SPEC)
     sz = SelectedZero2(model, SelZeroConfig(params=["*.experts.*"], bucket_mb=args.bucket_mb),
                        torch.optim.AdamW, {"lr": 1e-4})
     selected = {id(e.param) for e in sz.entries}
     host = torch.optim.AdamW([p for p in model.parameters() if id(p) not in selected], lr=1e-4)
     ddp = wrap_ddp(model, sz)
     subset = sum(-(-e.param.numel() // world) * world * 4 for e in sz.trainable)
-    for layer in model.layers:  # uneven routing: rank r reaches experts r..r+2 only
-        layer.forward = _routed(layer, rank)
+    # uneven routing: rank r reaches experts r..r+2 only
+    model.route((torch.arange(64) % 3 + rank) % E)
     figures = []
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -57,19 +59,6 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str, queue: o
         host.zero_grad(set_to_none=True)
     queue.put((rank, subset, len(sz.layout.buckets), figures))
     dist.destroy_process_group()
-
-
-def _routed(layer: torch.nn.Module, rank: int):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(layer.dense(x))
-        routes = (torch.arange(x.shape[0]) % 3 + rank) % E
-        y = torch.zeros_like(h)
-        for e, expert in enumerate(layer.experts):
-            idx = (routes == e).nonzero().flatten()
-            if idx.numel():
-                y = y.index_add(0, idx, expert(h[idx]))
-        return x + y
-    return forward
 
 
 def main() -> int:
