@@ -17,6 +17,14 @@ def _views(rows: torch.Tensor, flat: torch.Tensor, row_offset: int, experts: int
            chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(row-side view, flat-side view) pairs covering every real element."""
     full, rem = divmod(per, chunk)
+    if experts == 1:  # the common case, with fewer view ops (a step makes two per parameter)
+        end = row_offset + chunk
+        if rem == 0:
+            return [(rows[:full, row_offset:end], flat.view(full, chunk))]
+        pairs = [(rows[:full, row_offset:end], flat[:full * chunk].view(full, chunk))] \
+            if full else []
+        pairs.append((rows[full, row_offset:row_offset + rem], flat[full * chunk:]))
+        return pairs
     width = experts * chunk
     region = rows[:, row_offset:row_offset + width].view(rows.shape[0], experts, chunk)
     per_expert = flat.view(experts, per)
