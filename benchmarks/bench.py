@@ -66,6 +66,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
           "layers": 4, "tokens": 64},
 }
 MODES = ["ddp", "selzero", "fsdp2", "deepspeed", "deepspeed-sz", "selzero-uneven"]
+ACCUMULATION = 4  # micro-batches per step of the *-acc4 rows (not in the default modes)
+# extra rows: ddp-acc4 (no_sync on the first 3), selzero-acc4 (reduced micro-steps:
+# end_microstep), selzero-acc4-nosync (local micro-steps under ddp.no_sync())
 
 
 # ---- counting collectives ------------------------------------------------------------------
@@ -350,6 +353,8 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
             return _bytes(tensors), -1
         return memory
 
+    if mode in ("ddp-acc4", "selzero-acc4", "selzero-acc4-nosync"):
+        return _setup_accumulation(mode, model, spec, subset_ids, kwargs, sz_config)
     if mode == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(None, ddp_counting_hook(subset_ids))
@@ -447,6 +452,58 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
             return -1, -1  # DeepSpeed's flat partitions mix experts and dense parameters
         return step, memory
     raise SystemExit(f"unknown mode {mode!r}")
+
+
+def _setup_accumulation(mode: str, model: Any, spec: dict[str, Any], subset_ids: set[int],
+                        kwargs: dict[str, Any], sz_config: dict[str, Any]
+                        ) -> tuple[Callable[[Any], None], Callable[[], tuple[int, int]]]:
+    """ACCUMULATION micro-batches per step (the same batch, divided): DDP with no_sync on all
+    but the last; selzero with reduced micro-steps (end_microstep) or under ddp.no_sync()."""
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    if mode == "ddp-acc4":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, ddp_counting_hook(subset_ids))
+        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+
+        def step(batch: Any) -> None:
+            for micro in range(ACCUMULATION):
+                sync = micro == ACCUMULATION - 1
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    (_loss(model, spec, batch, ddp) / ACCUMULATION).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        def memory() -> tuple[int, int]:
+            ps = [p for p in model.parameters() if id(p) in subset_ids]
+            return _bytes([p.grad for p in ps] + [v for p in ps for v in opt.state[p].values()]), -1
+        return step, memory
+    from selzero_plugin import SelectedZero2, wrap_ddp
+
+    sz = SelectedZero2(model, sz_config, torch.optim.AdamW, kwargs)
+    ddp = wrap_ddp(model, sz)
+    ddp.register_comm_hook(None, ddp_counting_hook(subset_ids))
+    host = torch.optim.AdamW([p for p in model.parameters() if id(p) not in subset_ids], **kwargs)
+    local = mode == "selzero-acc4-nosync"
+
+    def step(batch: Any) -> None:
+        for micro in range(ACCUMULATION):
+            last = micro == ACCUMULATION - 1
+            with contextlib.nullcontext() if last or not local else ddp.no_sync():
+                (_loss(model, spec, batch, ddp) / ACCUMULATION).backward()
+            if not last and not local:
+                sz.end_microstep()
+        host.step()
+        sz.step()
+        host.zero_grad()
+
+    def memory() -> tuple[int, int]:
+        report = sz.memory_report()
+        return report.total, report.ideal_total
+    return step, memory
 
 
 def run_mode(mode: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
