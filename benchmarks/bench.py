@@ -428,17 +428,7 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
         return step, memory
     if mode in ("deepspeed", "deepspeed-sz"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.backend == "gloo" else "cuda")
-        if mode == "deepspeed-sz":
-            import selzero_plugin.deepspeed  # noqa: F401 - registers the entry
-        import deepspeed
-
-        config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
-            "optimizer": {"type": "AdamW", "params": {**kwargs, "torch_adam": True}},
-            "steps_per_print": 10 ** 9}
-        if mode == "deepspeed-sz":
-            config["selected_zero2"] = sz_config
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine = deepspeed_engine(model, kwargs, sz_config if mode == "deepspeed-sz" else None)
         sz = getattr(engine, "selzero", None)
 
         def step(batch: Any) -> None:
@@ -452,6 +442,21 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
             return -1, -1  # DeepSpeed's flat partitions mix experts and dense parameters
         return step, memory
     raise SystemExit(f"unknown mode {mode!r}")
+
+
+def deepspeed_engine(model: Any, kwargs: dict[str, Any], entry: dict[str, Any] | None) -> Any:
+    """Stock DeepSpeed ZeRO-2 with torch AdamW, or with the ``"selected_zero2"`` ``entry``."""
+    if entry is not None:
+        import selzero_plugin.deepspeed  # noqa: F401 - registers the entry
+    import deepspeed
+
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {**kwargs, "torch_adam": True}},
+        "steps_per_print": 10 ** 9}
+    if entry is not None:
+        config["selected_zero2"] = entry
+    return deepspeed.initialize(model=model, config=config)[0]
 
 
 def _setup_accumulation(mode: str, model: Any, spec: dict[str, Any], subset_ids: set[int],
