@@ -11,7 +11,6 @@ every rank swap the new tensors in (``ShardView.install``).
 from __future__ import annotations
 
 import hashlib
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from .atomic import MANIFEST_NAME, previous_folder
 from .format import (ELEMENTWISE, VALUE, Manifest, VirtualRecord, check_against_run, check_shard,
                      describe_run, read_manifest, resolve_folder, tensor_key)
 from .safetensors_io import LazyShard
-from .save import local_phase
+from .save import local_phase, manifest_save_id
 
 __all__ = ["load_checkpoint", "read_checkpoint", "install_read"]
 
@@ -72,17 +71,16 @@ def _resolve(folder: Path, save_id: str | None, indexed: bool) -> tuple[Path, li
         return resolve_folder(folder)
     seen = []
     for candidate in (folder, previous_folder(folder)):
-        try:
-            raw = json.loads((candidate / MANIFEST_NAME).read_text())
-        except (OSError, ValueError):
+        found = manifest_save_id(candidate)  # False: no readable manifest there
+        if found is False:
             continue
-        if isinstance(raw, dict) and raw.get("save_id") == save_id:
+        if found == save_id:
             notes = [] if candidate == folder else [
                 f"{folder} holds a newer save than its index.json (a save of several instances "
                 f"was interrupted before its index was written); loading {candidate}, the "
                 "instance's part of the save the index names."]
             return candidate, notes
-        seen.append(f"{candidate.name}: save {raw.get('save_id') if isinstance(raw, dict) else '?'}")
+        seen.append(f"{candidate.name}: save {found}")
     raise CheckpointError(
         f"{folder}: no part of the save its index.json names (save {save_id}; found "
         f"{seen or 'no complete folder'}); the checkpoint mixes saves (a partial copy, or "
