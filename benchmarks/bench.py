@@ -34,8 +34,8 @@ each ratio is taken within a round (median and min-max over rounds). Per mode an
   in every worker before anything else is imported (DDP's C++ reducer through a counting comm
   hook), split into the expert subset's and the rest, and converted to bytes on the wire per
   rank under the ring model (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the
-  full size, broadcast 1x); the lower bound for the subset is (N-1)/N * P * (4 + b): an FP32
-  reduce-scatter plus an all-gather in the parameter dtype. DeepSpeed on CPU may move some
+  full size, broadcast (N-1)/N: what a rank receives, on average over ranks); the lower bound
+  for the subset is (N-1)/N * P * (4 + b): an FP32 reduce-scatter plus an all-gather in the parameter dtype. DeepSpeed on CPU may move some
   bytes through its own shared-memory op, which the wrapper does not see: its rows say so.
 
 Output: ``<out>/bench-<workload>.md`` (the table and the command line) and ``.png`` (a plot of
@@ -93,7 +93,7 @@ class Counter:
 COUNTER = Counter()
 PLAN_CHECK: dict[str, Any] = {}
 _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+         "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
          "all_to_all": lambda n: (n - 1) / n}
 
 

@@ -38,3 +38,23 @@ def test_copy_in_and_out_match_the_layout(n, experts, per):
     back = torch.full_like(flat, float("nan"))
     copy_out(rows, back, row_offset=row_offset, experts=experts, per=per, chunk=chunk)
     assert torch.equal(back, 2 * flat)
+
+
+@pytest.mark.parametrize("n, experts, per", [(2, 1, 8), (2, 1, 9), (3, 1, 10), (4, 1, 2),
+                                             (3, 1, 1), (2, 3, 5), (3, 4, 7), (4, 2, 3),
+                                             (4, 1, 13)])
+def test_copy_out_skipping_a_row_leaves_exactly_that_rows_elements(n, experts, per):
+    """copy_out(skip=r) writes every element except those of row r (a rank's own row, whose
+    values are already in place), for every r, padding-only rows included."""
+    chunk = ceil_div(per, n)
+    row_offset, width = 1, 1 + experts * chunk + 1
+    flat = torch.arange(1, experts * per + 1, dtype=torch.float32)
+    rows = torch.zeros(n, width)
+    copy_in(rows, flat, row_offset=row_offset, experts=experts, per=per, chunk=chunk)
+    for skip in range(n):
+        back = torch.full_like(flat, -1.0)
+        copy_out(rows, back, row_offset=row_offset, experts=experts, per=per, chunk=chunk,
+                 skip=skip)
+        in_row = torch.tensor([(i % per) // chunk == skip for i in range(experts * per)])
+        assert torch.equal(back[~in_row], flat[~in_row])
+        assert bool((back[in_row] == -1.0).all())

@@ -4,8 +4,11 @@ all-gather after the update; the coalesced broadcast at construction.
 [Note: bounded buckets]
 A bucket's full-size FP32 buffer (N rank-major rows, see [Note: layout]) is allocated when its
 first gradient arrives, launched at its launch point, and freed as soon as its reduction is
-finished (its row added into the gradient shard; [Note: buffer pool]). At most ``max_alive`` (two) buffers exist at
-any moment: before a new one is allocated, the oldest launched reduction is finished first.
+finished (its row added into the gradient shard; [Note: buffer pool]). It is not zeroed when
+taken: each entry's real positions are written by its first gradient, or zeroed at launch when
+none came; padding positions hold whatever the block held and are never read. At most
+``max_alive`` (two) buffers exist at any moment: before a new one is allocated, the oldest
+launched reduction is finished first.
 Finishing waits: on NCCL the current stream waits for the collective (the host runs on, and the
 caching allocator reuses the buffer in stream order); on gloo the host blocks. Every rank
 launches a bucket at the same point of its backward (a unit's post-backward, or the
@@ -32,7 +35,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .comm import Communicator, RowWork
 from .layout import Layout
-from .rowcopy import copy_in
+from .rowcopy import add_or_copy, flat_views, row_views
 from .storage import ShardStorage
 
 __all__ = ["BucketCollectives", "BufferPool", "PATIENCE_S"]
@@ -73,6 +76,10 @@ class BufferPool:
         block = self.free.pop() if self.free and nbytes <= self.block_bytes else self._new(nbytes)
         return block[:nbytes].view(dtype)
 
+    def persistent(self, buffer: torch.Tensor) -> bool:
+        """Does ``buffer`` lie in a block that is kept and handed out again?"""
+        return buffer.untyped_storage().data_ptr() in self.kept
+
     def give(self, buffer: torch.Tensor) -> None:
         storage = buffer.untyped_storage()
         if storage.data_ptr() in self.kept:
@@ -94,6 +101,7 @@ class BucketCollectives:
         self.pool = BufferPool(comm.size * largest * 4, comm.device,
                                keep=min(max_alive, len(layout.buckets)))  # no idle block
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
+        self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
         self.pending: deque[tuple[int, RowWork, torch.Tensor]] = deque()
         # launch order: bucket order (reverse model order) until the window adopts the order in
         # which the launch units pass; buckets order[:next_launch] were launched this micro-step
@@ -130,10 +138,25 @@ class BucketCollectives:
         buffer = self._buffer(b)
         ids = self.layout.entry_virtuals[t]
         first = self.layout.virtuals[ids[0]]
-        copy_in(buffer.view(self.comm.size, -1), flat, row_offset=self.layout.entry_row_offset[t],
-                experts=len(ids), per=first.numel, chunk=first.chunk_numel,
-                accumulate=t in self.filled[b])
+        add_or_copy(self._row_views(buffer, t),
+                    flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel),
+                    t in self.filled[b])
         self.filled[b].add(t)
+
+    def _row_views(self, buffer: torch.Tensor, t: int) -> list[torch.Tensor]:
+        """Entry t's views in its bucket's ``buffer``, kept for reused blocks ([Note: cached
+        views] in storage.py)."""
+        key = (buffer.data_ptr(), t)
+        views = self.fill_views.get(key)
+        if views is None:
+            ids = self.layout.entry_virtuals[t]
+            first = self.layout.virtuals[ids[0]]
+            views = row_views(buffer.view(self.comm.size, -1),
+                              row_offset=self.layout.entry_row_offset[t], experts=len(ids),
+                              per=first.numel, chunk=first.chunk_numel)
+            if self.pool.persistent(buffer):
+                self.fill_views[key] = views
+        return views
 
     def _buffer(self, b: int) -> torch.Tensor:
         buffer = self.buffers[b]
@@ -146,7 +169,9 @@ class BucketCollectives:
                                    "there?); this backward no longer bounds its buffers.",
                                    self.patience_s)
             rows = self.layout.buckets[b].row_numel
-            buffer = self.pool.take(self.comm.size * rows, _FP32).zero_()
+            # not zeroed: every real position is written by a gradient or zeroed at launch;
+            # padding is never read
+            buffer = self.pool.take(self.comm.size * rows, _FP32)
             self.buffers[b] = buffer
         return buffer
 
@@ -158,6 +183,10 @@ class BucketCollectives:
         throughout when the 0-dim bool ``zero_if`` is true (an inactive rank under ``sum``)."""
         b = self.next_bucket()
         buffer = self._buffer(b)
+        for t in self.layout.buckets[b].entries:
+            if t not in self.filled[b]:  # no gradient this micro-step: zeros
+                for view in self._row_views(buffer, t):
+                    view.zero_()
         if zero_if is not None:
             buffer.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
@@ -228,12 +257,14 @@ class BucketCollectives:
         dtype = self.storage.trainable[spec.entries[0]].param.dtype
         gathered = self.pool.take(self.comm.size * spec.row_numel, dtype)
         rows = gathered.view(self.comm.size, spec.row_numel)
-        self.storage.pack_row(b, rows[self.comm.rank])
+        self.storage.pack_row(b, rows[self.comm.rank],
+                              persistent=self.pool.persistent(gathered))
         return b, self.comm.all_gather_rows_(gathered), gathered
 
     def _unpack(self, b: int, work: Any, gathered: torch.Tensor) -> None:
         work.wait()
-        self.storage.unpack_rows(b, gathered.view(self.comm.size, -1))
+        self.storage.unpack_rows(b, gathered.view(self.comm.size, -1),
+                                 persistent=self.pool.persistent(gathered))
         self.pool.give(gathered)
 
     # ---- construction ----------------------------------------------------------------------

@@ -27,10 +27,12 @@ gloo implements ``reduce_scatter_tensor`` as a full-size ``clone()`` of the inpu
 all-reduce, and ``all_gather_into_tensor`` through a full-size temporary output: both double the
 transient memory of a bucket, and both measured slower here than one all-reduce of the same
 buffer (16 MiB on 2 ranks: 47 ms and 41 ms against 21-23 ms). On gloo selzero therefore reduces
-a bucket with one in-place SUM all-reduce of its own buffer and reads its row, and gathers with
-one in-place bitwise-OR all-reduce of a buffer whose other rows are zero (bytes viewed as uint8,
-so every bit, -0.0 and NaN payloads included, arrives unchanged). Results equal gloo's own
-collectives (which sum the same way). On NCCL the real reduce-scatter and an in-place
+a bucket with one in-place SUM all-reduce of its own buffer and reads its row (measured faster
+than N ``reduce`` calls, one per row, and than the list ``reduce_scatter``), and gathers with N
+asynchronous in-place broadcasts, row r from rank r: each rank receives and sends (N-1)/N of the
+buffer, the all-gather's bytes, and every bit (-0.0, NaN payloads) arrives unchanged (67 MB on 2
+ranks: 22 ms, against 54-57 ms for the bitwise-OR all-reduce of a zeroed buffer used before and
+100 ms for gloo's all-gather). Results equal gloo's own collectives (which sum the same way). On NCCL the real reduce-scatter and an in-place
 all-gather run (no extra memory either).
 """
 
@@ -86,6 +88,20 @@ class _Rows:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+class _All:
+    """Several launched collectives, finished together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 # torch 2.13 names these *_single (the *_tensor names warn as deprecated); older torch has only
@@ -210,10 +226,8 @@ class Communicator:
         if self.size == 1:
             return _Done()
         if self.emulate:
-            rows[:self.rank].zero_()
-            rows[self.rank + 1:].zero_()
-            return dist.all_reduce(gathered.view(torch.uint8), op=dist.ReduceOp.BOR,
-                                   group=self.group, async_op=True)
+            return _All([dist.broadcast(rows[r], group=self.group, group_src=r, async_op=True)
+                         for r in range(self.size)])
         return _ALL_GATHER(gathered, rows[self.rank], group=self.group, async_op=True)
 
     # ---- small collectives ----------------------------------------------------------------

@@ -3,44 +3,78 @@
 An entry of ``experts * per`` elements (``experts == 1`` when not split) occupies, in each of
 the N rows of the buffer, ``experts`` consecutive chunks of ``chunk`` elements starting at
 ``row_offset``; virtual parameter e's element i lives in row ``i // chunk``. Padding positions
-are never written by ``copy_in`` (callers start from a zeroed buffer) and never read back.
+are never written by ``copy_in`` nor read back by ``copy_out``.
+
+The row side and the flat side of a copy are separate view lists (``row_views`` /
+``flat_views``, pairwise the same shapes), so that callers can keep the row side of a buffer
+that is reused every step and pay only for the side that changes ([Note: cached views] in
+storage.py). ``skip`` leaves out one row (a rank's own row, already in place).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["copy_in", "copy_out"]
+__all__ = ["copy_in", "copy_out", "row_views", "flat_views", "add_or_copy"]
 
 
-def _views(rows: torch.Tensor, flat: torch.Tensor, row_offset: int, experts: int, per: int,
-           chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(row-side view, flat-side view) pairs covering every real element."""
+def _row_ranges(per: int, chunk: int, skip: int | None) -> tuple[list[tuple[int, int]], int]:
+    """Ranges of whole rows, and the length of the partial row ``per // chunk`` (0: none)."""
     full, rem = divmod(per, chunk)
-    if experts == 1:  # the common case, with fewer view ops (a step makes two per parameter)
+    if skip is None or skip > full:
+        return ([(0, full)] if full else []), rem
+    ranges = [(a, b) for a, b in ((0, min(skip, full)), (skip + 1, full)) if b > a]
+    return ranges, (0 if skip == full else rem)
+
+
+def row_views(rows: torch.Tensor, *, row_offset: int, experts: int, per: int, chunk: int,
+              skip: int | None = None) -> list[torch.Tensor]:
+    """The row-side views of an entry in ``rows`` (N, S), pairing with ``flat_views``."""
+    ranges, rem = _row_ranges(per, chunk, skip)
+    full = per // chunk
+    if experts == 1:
         end = row_offset + chunk
-        if rem == 0:
-            return [(rows[:full, row_offset:end], flat.view(full, chunk))]
-        pairs = [(rows[:full, row_offset:end], flat[:full * chunk].view(full, chunk))] \
-            if full else []
-        pairs.append((rows[full, row_offset:row_offset + rem], flat[full * chunk:]))
-        return pairs
-    width = experts * chunk
-    region = rows[:, row_offset:row_offset + width].view(rows.shape[0], experts, chunk)
-    per_expert = flat.view(experts, per)
-    pairs = []
-    if full:
-        pairs.append((region[:full].transpose(0, 1),
-                      per_expert[:, :full * chunk].view(experts, full, chunk)))
+        views = [rows[a:b, row_offset:end] for a, b in ranges]
+        if rem:
+            views.append(rows[full, row_offset:row_offset + rem])
+        return views
+    region = rows[:, row_offset:row_offset + experts * chunk].view(rows.shape[0], experts, chunk)
+    views = [region[a:b].transpose(0, 1) for a, b in ranges]
     if rem:
-        pairs.append((region[full, :, :rem], per_expert[:, full * chunk:]))
-    return pairs
+        views.append(region[full, :, :rem])
+    return views
+
+
+def flat_views(flat: torch.Tensor, *, experts: int, per: int, chunk: int,
+               skip: int | None = None) -> list[torch.Tensor]:
+    """The flat-side views of an entry's ``experts * per`` elements (``flat``: contiguous, of
+    any shape), pairing with ``row_views``."""
+    ranges, rem = _row_ranges(per, chunk, skip)
+    full = per // chunk
+    if experts == 1:
+        if per == full * chunk and ranges == [(0, full)]:
+            return [flat.view(full, chunk)]  # the common case: one view op (a gradient's hook)
+        flat = flat.view(-1)
+        views = [flat[a * chunk:b * chunk].view(b - a, chunk) for a, b in ranges]
+        if rem:
+            views.append(flat[full * chunk:])
+        return views
+    per_expert = flat.view(experts, per)
+    views = [per_expert[:, a * chunk:b * chunk].view(experts, b - a, chunk) for a, b in ranges]
+    if rem:
+        views.append(per_expert[:, full * chunk:])
+    return views
 
 
 def copy_in(rows: torch.Tensor, flat: torch.Tensor, *, row_offset: int, experts: int, per: int,
             chunk: int, accumulate: bool = False) -> None:
     """rows (N, S) <- flat (experts * per); ``accumulate`` adds instead of copying."""
-    for dst, src in _views(rows, flat, row_offset, experts, per, chunk):
+    dsts = row_views(rows, row_offset=row_offset, experts=experts, per=per, chunk=chunk)
+    add_or_copy(dsts, flat_views(flat, experts=experts, per=per, chunk=chunk), accumulate)
+
+
+def add_or_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], accumulate: bool) -> None:
+    for dst, src in zip(dsts, srcs):
         if accumulate:
             dst.add_(src)
         else:
@@ -48,7 +82,8 @@ def copy_in(rows: torch.Tensor, flat: torch.Tensor, *, row_offset: int, experts:
 
 
 def copy_out(rows: torch.Tensor, flat: torch.Tensor, *, row_offset: int, experts: int, per: int,
-             chunk: int) -> None:
-    """flat (experts * per) <- rows (N, S)."""
-    for src, dst in _views(rows, flat, row_offset, experts, per, chunk):
+             chunk: int, skip: int | None = None) -> None:
+    """flat (experts * per) <- rows (N, S), except row ``skip``."""
+    srcs = row_views(rows, row_offset=row_offset, experts=experts, per=per, chunk=chunk, skip=skip)
+    for src, dst in zip(srcs, flat_views(flat, experts=experts, per=per, chunk=chunk, skip=skip)):
         dst.copy_(src)

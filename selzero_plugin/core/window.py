@@ -349,12 +349,14 @@ class ReductionWindow:
         if not self._enter_backward():
             return
         self._record_presence(t, grad)
-        flat = grad.detach().reshape(-1)
+        # any shape: the copies view it (one view op for most parameters)
+        flat = grad if grad.is_contiguous() and not grad.requires_grad else \
+            grad.detach().contiguous()
         if not self.syncing:
             if t in self.local:
-                self.local[t].add_(flat)
+                self.local[t].add_(flat.view(-1))
             else:
-                self.local[t] = flat.to(_FP32, copy=True)
+                self.local[t] = flat.to(_FP32, copy=True).view(-1)
             return
         if self.collectives.launched(self.layout.entry_bucket[t]):
             self.late.add(t)  # reported, agreed, at the reduction point
@@ -551,7 +553,7 @@ class ReductionWindow:
         expected = values[c.active.start] if mode == "sum" else self.comm.size
         decision = self._decide(global_weight, values[c.presence], values[c.nonfinite.start],
                                 expected)
-        if global_weight > 0 and mode != "sum":
+        if global_weight > 1 and mode != "sum":  # (a weight of 1 divides by nothing)
             self.storage.grad_shard.div_(global_weight)
         self.decision = decision
         self.state = WindowState.REDUCED

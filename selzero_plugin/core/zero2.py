@@ -363,8 +363,10 @@ class SelectedZero2:
             raise UsageError(f"[rank {self.rank}/{self.world_size}] step(weight=/active=) after "
                              "reduce_gradients(): the arguments belong to reduce_gradients().")
         decision = self.window.decision
-        for i, (slot, seg) in enumerate(zip(self.storage.slots, self.storage.segments)):
-            seg.grad = self.storage.grad_view(i) if decision.update[slot.virtual] else None
+        update = decision.update
+        for slot, seg, grad in zip(self.storage.slots, self.storage.segments,
+                                   self.storage.grad_views):
+            seg.grad = grad if update[slot.virtual] else None
         self.segment_optimizer.prepare(lr)
         if decision.updated:
             self.segment_optimizer.optimizer.step()
