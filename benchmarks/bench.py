@@ -92,6 +92,7 @@ class Counter:
 
 COUNTER = Counter()
 PLAN_CHECK: dict[str, Any] = {}
+KEPT: dict[str, int] = {}  # selzero rows: bytes of the bucket blocks its pool keeps (CPU)
 _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
          "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
          "all_to_all": lambda n: (n - 1) / n}
@@ -274,6 +275,7 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argpar
         COUNTER.active = False
         if i == args.warmup:
             counted = COUNTER.take()
+    backward_peak = _traced_backward_peak(step, batch)  # one more step, not timed
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
                         dtype=torch.float64, device=device)
     peaks = torch.zeros(world, dtype=torch.float64, device=device)
@@ -297,10 +299,36 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argpar
               "subset_elements": sum(p.numel() for p in subset),
               "subset_dtype_bytes": subset[0].element_size(),
               "ops": sorted({f"{op}{'*' if s else ''}" for op, _, _, s in counted}),
+              "backward_peak": backward_peak, "kept_gradient_buffers": KEPT.get("bytes", -1),
+              "bucket_bytes": KEPT.get("bucket", -1),
               "plan": dict(PLAN_CHECK)}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _traced_backward_peak(step: Callable[[Any], None], batch: Any) -> int:
+    """Allocation-level peak (bytes) of the backward of one more step, on the training thread
+    (``selzero_plugin.memtrace``): every row alike, whoever calls ``torch.autograd.backward``."""
+    import torch
+
+    from selzero_plugin.memtrace import track_allocations
+
+    original = torch.autograd.backward
+    peaks: list[int] = []
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with track_allocations() as trace:
+            result = original(*args, **kwargs)
+        peaks.append(trace.peak)
+        return result
+
+    torch.autograd.backward = traced
+    try:
+        step(batch)
+    finally:
+        torch.autograd.backward = original
+    return max(peaks, default=-1)
 
 
 def _batch(spec: dict[str, Any], rank: int, mode: str, device: Any) -> Any:
@@ -369,6 +397,7 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
         from selzero_plugin import SelectedZero2, wrap_ddp
 
         sz = SelectedZero2(model, sz_config, torch.optim.AdamW, kwargs)
+        _note_kept(sz)
         ddp = wrap_ddp(model, sz)
         ddp.register_comm_hook(None, ddp_counting_hook(subset_ids))
         host = torch.optim.AdamW([p for p in model.parameters() if id(p) not in subset_ids],
@@ -430,6 +459,8 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.backend == "gloo" else "cuda")
         engine = deepspeed_engine(model, kwargs, sz_config if mode == "deepspeed-sz" else None)
         sz = getattr(engine, "selzero", None)
+        if sz is not None:
+            _note_kept(sz)
 
         def step(batch: Any) -> None:
             engine.backward(_loss(engine.module, spec, batch, engine))
@@ -442,6 +473,15 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
             return -1, -1  # DeepSpeed's flat partitions mix experts and dense parameters
         return step, memory
     raise SystemExit(f"unknown mode {mode!r}")
+
+
+def _note_kept(sz: Any) -> None:
+    """The bucket blocks selzero's CPU pool allocates once and reuses ([Note: buffer pool]):
+    allocated before the backward, so the traced peak does not see them; they count as
+    transient gradient memory all the same."""
+    pool = sz.collectives.pool
+    KEPT["bytes"] = len(pool.kept) * pool.block_bytes
+    KEPT["bucket"] = pool.block_bytes
 
 
 def deepspeed_engine(model: Any, kwargs: dict[str, Any], entry: dict[str, Any] | None) -> Any:
@@ -539,6 +579,18 @@ def _mb(n: float) -> str:
     return "n/a" if n < 0 else f"{n / 1e6:.2f} MB"
 
 
+def _transient(row: dict[str, Any]) -> str:
+    """Rank 0's allocation-level peak during one backward, plus selzero's kept bucket blocks
+    (in largest-bucket units)."""
+    peak = row.get("backward_peak", -1)
+    if peak < 0:
+        return "n/a"
+    kept, bucket = row.get("kept_gradient_buffers", -1), row.get("bucket_bytes", -1)
+    if kept < 0:
+        return _mb(peak)
+    return f"{_mb(peak + kept)} = {(peak + kept) / bucket:.2f} buckets (kept blocks {kept / bucket:.0f})"
+
+
 def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[str],
           args: argparse.Namespace) -> str:
     base = "ddp" if "ddp" in modes else modes[0]
@@ -553,14 +605,22 @@ def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[st
         "reaches every expert on every rank in every step (the peers need it), except "
         "`selzero-uneven`. Subset: the expert parameters, "
         f"P = {p:,} elements; wire lower bound (N-1)/N * P * (4 + {b}) = {_mb(bound)} per rank "
-        "(on gloo selzero reduces and gathers with in-place all-reduces, faster there than "
-        "gloo's reduce-scatter and all-gather but 2(N-1)/N each: 2x the bound at N=2; on NCCL "
-        "the real reduce-scatter and all-gather run). Wire bytes: ring model of the bytes "
-        "passed to torch.distributed's collectives in one step.",
+        "(on gloo selzero reduces with an in-place all-reduce, faster there than gloo's "
+        "reduce-scatter but 2(N-1)/N, and gathers with one broadcast per rank's row, "
+        "(N-1)/N: 1.5x the bound at N=2 in fp32; on NCCL the real reduce-scatter and "
+        "all-gather run). Wire bytes: ring model of the bytes passed to torch.distributed's "
+        "collectives in one step. Backward transient: rank 0's allocation-level peak during "
+        "one backward (`selzero_plugin.memtrace`), plus, for selzero, the bucket blocks its "
+        "CPU pool allocates once and reuses; DDP's gradients live in its buckets for the "
+        "whole run (not transient), so its figure is what the backward allocates besides; "
+        "the DeepSpeed rows' figure is dominated by DeepSpeed's own reduction bucket for its "
+        "parameters (default reduce_bucket_size, 5e8 elements, allocated in each backward; "
+        "its pages are touched only as far as used, see peak RSS).",
         "",
         f"| mode | ms/step | vs {base} | subset grad+state+master per rank | vs ideal | "
-        "peak RSS per rank (MiB) | subset wire bytes per rank | vs lower bound | other wire |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak RSS per rank (MiB) | backward transient | subset wire bytes per rank | "
+        "vs lower bound | other wire |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in modes:
         rows = [rd[mode] for rd in rounds]
@@ -577,7 +637,8 @@ def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[st
         if mode == "deepspeed":  # one flat partitioned buffer for the whole model
             wire_txt, vs_bound = "n/a (whole model in one buffer: see other)", "n/a"
         lines.append(f"| {mode} | {ms:.1f} | {ratio} | {_mb(mem)} | {vs_ideal} | {rss} | "
-                     f"{wire_txt} | {vs_bound} | {_mb(rows[0]['other_wire'])} |")
+                     f"{_transient(rows[0])} | {wire_txt} | {vs_bound} | "
+                     f"{_mb(rows[0]['other_wire'])} |")
     plan = rounds[0].get("selzero", {}).get("plan")
     if plan:
         verdict = "equal in every field" if plan["equal"] else "DIFFERENT"
@@ -650,7 +711,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
-    everything: dict[str, Any] = {"args": vars(args), "workloads": {}}
+    saved = out / "bench.json"  # other workloads' earlier results are kept
+    everything: dict[str, Any] = json.loads(saved.read_text()) if saved.exists() else {}
+    everything.setdefault("workloads", {})
+    everything.setdefault("args_by_workload", {})
+    everything.pop("args", None)
     for workload in args.workloads.split(","):
         spec = WORKLOADS[workload]
         rounds = []
@@ -664,7 +729,8 @@ def main() -> int:
         (out / f"bench-{workload}.md").write_text(text)
         plot(out / f"bench-{workload}.png", workload, rounds, here)
         everything["workloads"][workload] = rounds
-    (out / "bench.json").write_text(json.dumps(everything, indent=1))
+        everything["args_by_workload"][workload] = {**vars(args), "command": sys.argv[1:]}
+        saved.write_text(json.dumps(everything, indent=1))
     return 0
 
 

@@ -4,13 +4,15 @@ One process, no process group (selzero's collectives are then no-ops, everything
 the expert parameters of a ``bench.py`` workload get the same gradients in both arms through
 the same synthetic backward (``sum(p * g)``), then
 - ``plain``: ``torch.optim.AdamW(experts).step()``;
+- ``ddp``: the same under DDP (a process group of one): its reducer copies each gradient into
+  its bucket during the backward (measured like selzero's copy-in), its all-reduce has no peer;
 - ``selzero``: ``SelectedZero2(model, experts)``: its gradient hooks copy each gradient into
   its bucket (copy-in, measured as this arm's backward time minus the plain arm's), then
   ``step()``: reduction point (control vector, presence, non-finite check, binding check), the
   segment optimizer (the same class and arguments), the cast into the gather row, copy-out into
   the parameters.
-Arms alternate within each round; figures are medians over rounds, the ratio is taken within a
-round. ``--fused`` runs both arms with ``fused=True`` (torch's CPU or CUDA fused AdamW),
+Arms alternate within each round; figures are medians over rounds, the ratios (selzero's path
+over plain AdamW's step, and over DDP's path) are taken within a round. ``--fused`` runs both arms with ``fused=True`` (torch's CPU or CUDA fused AdamW),
 ``--device cuda`` on a GPU.
 
     benchmarks/step_path.py --workload c [--rounds 21] [--fused] [--device cuda]
@@ -56,39 +58,58 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
     config = {"params": bench.expert_names(spec), "bucket_mb": 25.0,
               **({"expert_dim": 0} if spec["kind"] == "qwen3" else {})}
 
-    def arm(selzero: bool) -> tuple[Any, list[Any], Any]:
+    class Synthetic(torch.nn.Module):
+        """sum(p * g) over the experts: every arm's backward delivers the same gradients."""
+
+        def __init__(self, model: Any, params: list[Any], grads: list[Any]) -> None:
+            super().__init__()
+            self.model, self.params, self.grads = model, params, grads
+
+        def forward(self) -> Any:
+            return sum((p * g).sum() for p, g in zip(self.params, self.grads))
+
+    def arm(kind: str) -> tuple[Any, list[Any], Any]:
         model = bench.build_model(spec).to(device)
         params = [p for n, p in model.named_parameters() if bench.is_expert(spec, n)]
         for p in model.parameters():
             p.requires_grad_(any(p is q for q in params))
         g = torch.Generator(device="cpu").manual_seed(1)
         grads = [torch.randn(p.shape, generator=g).to(device) for p in params]
-        if selzero:
-            sz = SelectedZero2(model, config, torch.optim.AdamW, kwargs)
-            return sz, params, grads
-        return torch.optim.AdamW(params, **kwargs), params, grads
+        synthetic = Synthetic(model, params, grads)
+        if kind == "selzero":
+            return SelectedZero2(model, config, torch.optim.AdamW, kwargs), params, synthetic
+        if kind == "ddp":  # DDP's reducer copies each gradient into its bucket (C++)
+            synthetic = torch.nn.parallel.DistributedDataParallel(synthetic)
+        return torch.optim.AdamW(params, **kwargs), params, synthetic
 
-    arms = {"plain": arm(False), "selzero": arm(True)}
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # DDP needs a process group: one process (no peers)
+        import tempfile
+
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=store,
+                                rank=0, world_size=1)
+    arms = {"plain": arm("plain"), "ddp": arm("ddp"), "selzero": arm("selzero")}
     times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "step": []} for k in arms}
 
     def one(name: str) -> tuple[float, float]:
-        opt, params, grads = arms[name]
+        opt, params, synthetic = arms[name]
         _sync(device)
         t0 = time.perf_counter()
-        loss = sum((p * g).sum() for p, g in zip(params, grads))
-        loss.backward()
+        synthetic().backward()
         _sync(device)
         t1 = time.perf_counter()
         opt.step()
-        if name == "plain":
-            opt.zero_grad()
+        if name != "selzero":
+            opt.zero_grad(set_to_none=name == "plain")  # DDP keeps its bucket views
         _sync(device)
         return t1 - t0, time.perf_counter() - t1
 
     for name in arms:  # warm-up: optimizer state exists, buffers allocated
         for _ in range(2):
             one(name)
-    ratios, path = [], {k: [] for k in arms}
+    ratios, ddp_ratios, path = [], [], {k: [] for k in arms}
     for _ in range(rounds):
         round_times = {}
         for name in arms:
@@ -96,23 +117,29 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             round_times[name] = (statistics.median(b), statistics.median(s))
             times[name]["backward"].append(round_times[name][0])
             times[name]["step"].append(round_times[name][1])
-        copy_in = max(0.0, round_times["selzero"][0] - round_times["plain"][0])
-        sz_path = copy_in + round_times["selzero"][1]
         path["plain"].append(round_times["plain"][1])
-        path["selzero"].append(sz_path)
-        ratios.append(sz_path / round_times["plain"][1])
+        for name in ("ddp", "selzero"):  # copy-in: backward time beyond the plain arm's
+            path[name].append(max(0.0, round_times[name][0] - round_times["plain"][0])
+                              + round_times[name][1])
+        ratios.append(path["selzero"][-1] / path["plain"][-1])
+        ddp_ratios.append(path["selzero"][-1] / path["ddp"][-1])
     sz = arms["selzero"][0]
-    same = all(torch.equal(p, q) for p, q in zip(arms["plain"][1], arms["selzero"][1]))
+    same = all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in
+               zip(arms["plain"][1], arms["selzero"][1], arms["ddp"][1]))
     ms = lambda xs: round(1000 * statistics.median(xs), 2)  # noqa: E731
     return {"workload": workload, "fused": fused, "device": device_name,
             "parameters": len(arms["plain"][1]), "segments": len(sz.segments),
             "elements": sum(p.numel() for p in arms["plain"][1]),
-            "plain_step_ms": ms(path["plain"]), "selzero_path_ms": ms(path["selzero"]),
+            "plain_step_ms": ms(path["plain"]), "ddp_path_ms": ms(path["ddp"]),
+            "selzero_path_ms": ms(path["selzero"]),
             "selzero_copy_in_ms": ms([a - b for a, b in zip(times["selzero"]["backward"],
                                                             times["plain"]["backward"])]),
             "selzero_step_ms": ms(times["selzero"]["step"]),
             "ratio": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+            "ratio_vs_ddp": round(statistics.median(ddp_ratios), 3),
+            "ratio_vs_ddp_min": round(min(ddp_ratios), 3),
+            "ratio_vs_ddp_max": round(max(ddp_ratios), 3),
             "parameters_equal": same}
 
 

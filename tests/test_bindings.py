@@ -138,3 +138,31 @@ def test_fsdp2_with_bf16_mixed_precision_upcasts_the_selected_parameters_first()
     pytest.importorskip("accelerate")
     (dtype, no_masters), = all_values(run_ranks(_fsdp2_bf16_model, 1, timeout=120))
     assert dtype == "torch.float32" and no_masters
+
+
+@pytest.mark.parametrize("wrap, where", [("checkpoint_wrapper", "experts"),
+                                         ("compile", "experts"),
+                                         ("checkpoint_wrapper", "container")])
+def test_forwarding_wrappers_added_after_setup_are_not_replacements(wrap, where):
+    """An activation-checkpoint wrapper or torch.compile put around modules after selzero was
+    built forwards attribute access to the same parameter objects: training goes on, equal to
+    the unwrapped model (found by review: a walk over ``_modules`` refused them)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def wrapped(module):
+        if wrap == "compile":
+            return torch.compile(module, backend="eager")
+        return checkpoint_wrapper(module)
+
+    results = []
+    for wrap_it in (False, True):
+        model, sz = _built()
+        if wrap_it and where == "experts":
+            for i in range(len(model.experts)):
+                model.experts[i] = wrapped(model.experts[i])
+        elif wrap_it:
+            model.experts = wrapped(model.experts)
+        for _ in range(2):
+            _train_step(model, sz)
+        results.append([e.param.detach().clone() for e in sz.trainable])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

