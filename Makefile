@@ -34,6 +34,8 @@ $(BENCH_STAMP): $(STAMP)
 # side-by-side benchmarks (benchmarks/bench.py); tables and plots in benchmarks/results/
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+	for w in a c d; do $(PY) benchmarks/step_path.py --workload $$w \
+		--out benchmarks/results/step-path-$$w.json; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
