@@ -5,9 +5,9 @@ from .core.clip import clip_grad_norm_
 from .core.report import MemoryReport, StepResult
 from .core.zero2 import SelectedZero2
 from .ddp import wrap_ddp
-from .errors import (CheckpointError, ConfigError, ContractError, MissingGradientError,
-                     NonFiniteGradientError, OptimizerNotSupportedError, SelectionError,
-                     SelZeroError, UsageError)
+from .errors import (CheckpointError, CollectiveError, ConfigError, ContractError,
+                     MissingGradientError, NonFiniteGradientError, OptimizerNotSupportedError,
+                     SelectionError, SelZeroError, UsageError)
 from . import checkpoint  # noqa: E402,F401 - registers the engine's checkpoint reader/writer
 
 __version__ = "0.1.0"
@@ -16,5 +16,6 @@ __all__ = [
     "SelectedZero2", "SelZeroConfig", "StepResult", "MemoryReport", "wrap_ddp", "clip_grad_norm_",
     "SelZeroError", "ConfigError", "SelectionError", "ContractError", "OptimizerNotSupportedError",
     "UsageError", "MissingGradientError", "NonFiniteGradientError", "CheckpointError",
+    "CollectiveError",
     "__version__",
 ]

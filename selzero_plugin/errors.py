@@ -1,4 +1,8 @@
-"""The package's error classes. Every user mistake raises one of these; all subclass ValueError."""
+"""The package's error classes. Every user mistake raises one of these; all subclass ValueError.
+
+``CollectiveError`` is not a mistake of this rank's user code but a fault of another rank (died,
+stalled past ``timeout_s``, raised before a collective); it also subclasses RuntimeError, which
+is what torch.distributed raises for the same fault."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ __all__ = [
     "MissingGradientError",
     "NonFiniteGradientError",
     "CheckpointError",
+    "CollectiveError",
 ]
 
 
@@ -49,3 +54,10 @@ class NonFiniteGradientError(SelZeroError):
 
 class CheckpointError(SelZeroError):
     """A checkpoint is missing, incomplete, corrupt or does not match this run."""
+
+
+class CollectiveError(SelZeroError, RuntimeError):
+    """One of selzero's collectives failed: another rank of the group died, stalled longer than
+    ``timeout_s`` or raised before reaching it. The message names the collective, the group and
+    the timeout; the rank's selzero state must not be stepped further (restart from the last
+    complete checkpoint, which the failure does not touch)."""

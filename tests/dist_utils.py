@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
+import time
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -63,8 +65,12 @@ def _context() -> Any:
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[RankOutcome]:
-    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` spawned gloo ranks; raise on a hang."""
+              env: dict[str, str] | None = None, allow_dead: bool = False,
+              **kwargs: Any) -> list[RankOutcome]:
+    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` spawned gloo ranks; raise on a hang.
+
+    With ``allow_dead``, a rank whose process ended without reporting (killed) is returned as
+    ``error_type == "died"`` instead of failing the run."""
     ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,8 +81,26 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120.0,
             p.start()
         outcomes: dict[int, RankOutcome] = {}
         try:
-            for _ in range(world):
-                data = queue.get(timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while len(outcomes) < world:
+                try:
+                    data = queue.get(timeout=0.5 if allow_dead else timeout)
+                except queue_module.Empty:
+                    if time.monotonic() > deadline:
+                        raise
+                    dead = [r for r, p in enumerate(procs)
+                            if r not in outcomes and p.exitcode is not None]
+                    if allow_dead and dead and all(
+                            r in outcomes or procs[r].exitcode is not None for r in range(world)):
+                        try:  # a report may still be in the pipe
+                            data = queue.get(timeout=1.0)
+                        except queue_module.Empty:
+                            for r in dead:
+                                outcomes[r] = RankOutcome(r, error_type="died", error_message=(
+                                    f"exit code {procs[r].exitcode}"))
+                            continue
+                    else:
+                        continue
                 o = torch.load(io.BytesIO(data), weights_only=False)
                 outcomes[o.rank] = o
         except Exception:

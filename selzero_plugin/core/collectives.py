@@ -191,7 +191,9 @@ class BucketCollectives:
             buffer.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
         self.filled[b] = set()
+        self.comm.what = f"gradient bucket {b} of {len(self.layout.buckets)}"
         self.pending.append((b, self.comm.reduce_scatter_rows(buffer), buffer))
+        self.comm.what = ""
         self.next_launch += 1
 
     def launch_rest(self) -> None:
@@ -259,7 +261,10 @@ class BucketCollectives:
         rows = gathered.view(self.comm.size, spec.row_numel)
         self.storage.pack_row(b, rows[self.comm.rank],
                               persistent=self.pool.persistent(gathered))
-        return b, self.comm.all_gather_rows_(gathered), gathered
+        self.comm.what = f"parameter bucket {b} of {len(self.layout.buckets)}"
+        work = self.comm.all_gather_rows_(gathered)
+        self.comm.what = ""
+        return b, work, gathered
 
     def _unpack(self, b: int, work: Any, gathered: torch.Tensor) -> None:
         work.wait()

@@ -34,6 +34,19 @@ buffer, the all-gather's bytes, and every bit (-0.0, NaN payloads) arrives uncha
 ranks: 22 ms, against 54-57 ms for the bitwise-OR all-reduce of a zeroed buffer used before and
 100 ms for gloo's all-gather). Results equal gloo's own collectives (which sum the same way). On NCCL the real reduce-scatter and an in-place
 all-gather run (no extra memory either).
+
+[Note: failed collectives]
+A rank that dies, stalls or raises before a collective leaves its peers in that collective. Every
+group selzero creates carries the config's ``timeout_s``: gloo fails a collective whose peer is
+gone at once ("Connection closed by peer") and one whose peer stalls after ``timeout_s``
+("Timed out waiting ... for recv"). The Communicator turns either, at launch or at ``wait()``,
+into a ``CollectiveError`` naming selzero's collective (operation, size, what it was for), the
+group's global ranks, the time it waited and ``timeout_s``, so a log of 1,000 ranks says which
+layer of which job stopped and why. On NCCL a timed-out collective is the watchdog's to report
+(it aborts the process after the group's timeout, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``); a
+synchronous failure is wrapped the same way. The engine's state on a rank whose collective failed
+is not to be stepped again: the peers are gone. Checkpoints are untouched (a save in progress is
+staged; [Note: atomic save]).
 """
 
 from __future__ import annotations
@@ -41,13 +54,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import threading
+import time
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..errors import UsageError
+from ..errors import CollectiveError, UsageError
 
 __all__ = ["Communicator", "Work", "RowWork", "group_ranks", "shared_group"]
 
@@ -102,6 +116,28 @@ class _All:
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
+
+
+class _Guarded:
+    """A launched collective whose failure (at ``wait()``) becomes a CollectiveError."""
+
+    def __init__(self, work: Any, comm: "Communicator", op: str, t: torch.Tensor) -> None:
+        self._work, self._comm, self._op, self._t = work, comm, op, t
+        self._start, self._what = time.monotonic(), comm.what
+
+    def wait(self) -> Any:
+        try:
+            return self._work.wait()
+        except CollectiveError:
+            raise
+        except RuntimeError as e:
+            raise self._comm.failure(self._op, self._t, self._start, e, self._what) from e
+
+    def is_completed(self) -> bool:
+        try:
+            return bool(self._work.is_completed())
+        except RuntimeError:
+            return True  # wait() raises it
 
 
 # torch 2.13 names these *_single (the *_tensor names warn as deprecated); older torch has only
@@ -174,7 +210,8 @@ class Communicator:
     """Collectives over one process group; ``trace`` (a list) records every call when set."""
 
     def __init__(self, group: Any, rank: int, size: int, global_ranks: list[int],
-                 device: torch.device = torch.device("cpu"), *, emulate: bool = False) -> None:
+                 device: torch.device = torch.device("cpu"), *, emulate: bool = False,
+                 timeout_s: float | None = None, label: str = "selzero") -> None:
         self.group = group
         self.device = device  # where control tensors live (the selected parameters' device)
         self.rank = rank
@@ -182,21 +219,62 @@ class Communicator:
         self.global_ranks = global_ranks
         self.emulate = emulate  # gloo: see [Note: gloo collectives]
         self.trace: list[Any] | None = None
+        self.timeout_s = timeout_s
+        self.label = label  # what the group is for, in error messages
+        self.what = ""  # set by callers around a phase (e.g. "bucket 3 reduce-scatter")
 
     @classmethod
     def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device,
                shared: bool = False, purpose: str = "instance") -> "Communicator":
         """A communicator of its own over ``ranks`` (an instance's bucket collectives), or with
         ``shared`` the process-wide one for that rank set ([Note: communicators])."""
-        group = shared_group(ranks, timeout_s) if shared else \
-            _selzero_group(ranks, timeout_s, purpose)
+        start = time.monotonic()
+        try:
+            group = shared_group(ranks, timeout_s) if shared else \
+                _selzero_group(ranks, timeout_s, purpose)
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"[global rank {dist.get_rank()}] creating selzero's {purpose} communicator over "
+                f"global ranks {sorted(ranks)} failed after {time.monotonic() - start:.1f} s "
+                f"(timeout_s={timeout_s:g}): {_first_line(e)}. Every rank of the group must build "
+                "the same selzero instances in the same order; one that died, stalled or raised "
+                "before building this one leaves the others here.") from e
         return cls(group, dist.get_rank(group), len(ranks), sorted(ranks), device,
-                   emulate=_emulates_with_all_reduce(group, device))
+                   emulate=_emulates_with_all_reduce(group, device), timeout_s=timeout_s,
+                   label=f"selzero {purpose} group")
 
     @classmethod
     def single(cls, device: torch.device) -> "Communicator":
         """A group of one process, for use without torch.distributed (every collective is local)."""
         return cls(None, 0, 1, [0], device)
+
+    def failure(self, op: str, t: torch.Tensor, start: float, cause: BaseException,
+                what: str | None = None) -> CollectiveError:
+        """The CollectiveError for collective ``op`` over ``t`` that failed ([Note: failed
+        collectives])."""
+        timeout = f"timeout_s={self.timeout_s:g}" if self.timeout_s is not None else "timeout_s"
+        what = self.what if what is None else what
+        what = f", {what}" if what else ""
+        return CollectiveError(
+            f"[rank {self.rank}/{self.size}] selzero collective {op} ({t.numel()} x "
+            f"{str(t.dtype).replace('torch.', '')}{what}) of the {self.label} over global ranks "
+            f"{self.global_ranks} failed after {time.monotonic() - start:.1f} s ({timeout}): "
+            f"{_first_line(cause)}. A rank of this group died, stalled longer than {timeout} or "
+            "raised before reaching the same collective; its log says which. Do not step this "
+            "instance again: restart the job from the last complete checkpoint (a failed run "
+            "never touches it).")
+
+    def _sync(self, op: str, t: torch.Tensor, fn: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except RuntimeError as e:
+            raise self.failure(op, t, start, e) from e
+
+    def _async(self, op: str, t: torch.Tensor, fn: Any) -> _Guarded:
+        return _Guarded(self._sync(op, t, fn), self, op, t)
 
     def _record(self, op: str, t: torch.Tensor) -> None:
         if self.trace is not None:
@@ -212,10 +290,11 @@ class Communicator:
         if self.size == 1:
             return _Done(rows[0])
         if self.emulate:
-            return _Rows(dist.all_reduce(buffer, group=self.group, async_op=True), rows[self.rank])
+            return _Rows(self._async("reduce_scatter", buffer, lambda: dist.all_reduce(
+                buffer, group=self.group, async_op=True)), rows[self.rank])
         output = torch.empty_like(rows[0])
-        work = _REDUCE_SCATTER(output, buffer, op=dist.ReduceOp.SUM, group=self.group,
-                               async_op=True)
+        work = self._async("reduce_scatter", buffer, lambda: _REDUCE_SCATTER(
+            output, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return _Rows(work, output)
 
     def all_gather_rows_(self, gathered: torch.Tensor) -> Work:
@@ -226,9 +305,11 @@ class Communicator:
         if self.size == 1:
             return _Done()
         if self.emulate:
-            return _All([dist.broadcast(rows[r], group=self.group, group_src=r, async_op=True)
-                         for r in range(self.size)])
-        return _ALL_GATHER(gathered, rows[self.rank], group=self.group, async_op=True)
+            return self._async("all_gather", gathered, lambda: _All([
+                dist.broadcast(rows[r], group=self.group, group_src=r, async_op=True)
+                for r in range(self.size)]))
+        return self._async("all_gather", gathered, lambda: _ALL_GATHER(
+            gathered, rows[self.rank], group=self.group, async_op=True))
 
     # ---- small collectives ----------------------------------------------------------------
 
@@ -237,8 +318,9 @@ class Communicator:
         self._record("all_reduce", tensor)
         if self.size == 1:
             return _Done()
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        work = self._sync("all_reduce", tensor, lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=async_op))
+        return _Guarded(work, self, "all_reduce", tensor) if async_op else _Done()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Gather ``input`` of every rank into ``output`` (rank-major); small tensors only."""
@@ -246,13 +328,14 @@ class Communicator:
         if self.size == 1:
             output.copy_(input)
             return
-        _ALL_GATHER(output, input, group=self.group)
+        self._sync("all_gather", output, lambda: _ALL_GATHER(output, input, group=self.group))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0) -> None:
         """Broadcast from group rank ``src``."""
         self._record("broadcast", tensor)
         if self.size > 1:
-            dist.broadcast(tensor, group=self.group, group_src=src)
+            self._sync("broadcast", tensor,
+                       lambda: dist.broadcast(tensor, group=self.group, group_src=src))
 
     # ---- byte messages (no pickle): a fixed-size length, then the payload -------------------
 
@@ -277,3 +360,8 @@ class Communicator:
         self.all_gather(out, mine)
         rows = out.view(self.size, longest).cpu()
         return [bytes(rows[r, :int(lengths[r])].tolist()) for r in range(self.size)]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -105,6 +105,7 @@ class SelectedZero2:
         # Only the group's ranks take part from here on (use_local_synchronization).
         self.comm = Communicator.create(ranks, timeout_s=config.timeout_s, device=device) \
             if distributed else Communicator.single(device)
+        self.comm.label = f"group of instance {config.name!r}"
         agree_on_local_errors(self.comm, error, what="SelectedZero2 construction")
         check_contract(self.comm, self._contract_fields(), what="SelectedZero2 contract")
         self._build_parts(optimizer_kwargs or {})
