@@ -169,13 +169,14 @@ class SelectedZero2:
     def _contract_fields(self) -> list[Field]:
         fields: list[Field] = [(f"config.{k}", v) for k, v in self.config.to_dict().items()]
         fields.append(("group.size", self.comm.size))
-        fields.append(("selected.count", len(self.entries)))
         for i, e in enumerate(self.entries):
             fields.append((f"selected[{i}]", {
                 "name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
                 "dtype": str(e.param.dtype), "frozen": e.frozen, "experts": e.num_experts,
                 "global_name": e.global_name,
                 "placement": e.placement.to_json() if e.placement else None}))
+        # after the entries, so that a tie on one rank is named by its parameter and aliases
+        fields.append(("selected.count", len(self.entries)))
         fields.append(("expert_parallel", list(self.expert_parallel)
                        if self.expert_parallel else None))
         fields.append(("launch_units", {"names": list(self.units.names),
