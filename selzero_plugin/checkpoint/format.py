@@ -51,7 +51,7 @@ from ..core.layout import ceil_div
 from ..core.optim import GroupPlan, build_optimizer, qualified_name
 from ..core.view import ShardView
 from ..errors import CheckpointError
-from .atomic import MANIFEST_NAME, fsync_file, leftover_stagings, previous_folder
+from .atomic import MANIFEST_NAME, fsync_file, is_staging, leftover_stagings, previous_folder
 from .safetensors_io import (DTYPE_CODES, TensorPlan, dtype_from_name, dtype_name, read_header,
                              sha256_file)
 
@@ -211,7 +211,13 @@ def write_manifest(folder: Path, raw: dict[str, Any]) -> None:
 
 def resolve_folder(folder: Path) -> tuple[Path, list[str]]:
     """The folder to load (``folder``, or ``<folder>.previous`` after an interrupted replace)
-    and the warnings to give. Raises CheckpointError when neither is complete."""
+    and the warnings to give. Raises CheckpointError when neither is complete, and for a
+    staging folder ([Note: atomic save]: never loaded, whatever it holds)."""
+    if is_staging(folder):
+        raise CheckpointError(
+            f"{folder} is the staging folder of a save that was never put in place (interrupted "
+            "or still running); it is not a checkpoint, even with a manifest inside. Load the "
+            "checkpoint folder itself; the next save of it deletes this one.")
     notes = []
     leftovers = leftover_stagings(folder)
     if leftovers:
