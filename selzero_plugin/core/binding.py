@@ -15,6 +15,14 @@ parameter is overwritten by the stale master at the next step (an in-place write
 of that for every trainable entry (a few attribute reads each) and every rank raises the same
 error, naming the parameters and the fix (build selzero after such changes, or call
 ``sz.sync_from_params()`` after an in-place load or a storage move).
+
+The hook takes every selected gradient and sets ``p.grad = None``, so a selected parameter that
+holds a ``.grad`` at the reduction point got it from someone else: almost always a DDP (or
+another data-parallel wrapper) built *before* SelectedZero2, whose reducer all-reduces every
+parameter's gradient and writes the average back into ``.grad`` (measured: DDP built first
+leaves the averaged gradient there, and a host optimizer over ``model.parameters()`` would then
+step the subset a second time, silently). That is the fifth flag; the fix is to build selzero
+first and wrap with ``wrap_ddp`` (or put the selected names in the host's ignore list).
 """
 
 from __future__ import annotations
@@ -27,10 +35,10 @@ from torch import nn
 
 from .selection import SelectedEntry
 
-__all__ = ["Bindings", "REPLACED", "RECAST", "MOVED", "EDITED"]
+__all__ = ["Bindings", "REPLACED", "RECAST", "MOVED", "EDITED", "STRAY_GRAD"]
 
-REPLACED, RECAST, MOVED, EDITED = 0, 1, 2, 3
-KINDS = 4
+REPLACED, RECAST, MOVED, EDITED, STRAY_GRAD = 0, 1, 2, 3, 4
+KINDS = 5
 
 
 @dataclass
@@ -61,7 +69,8 @@ class Bindings:
             b.version = e.param._version if e.param.dtype != torch.float32 else None
 
     def problems(self) -> list[int]:
-        """Per trainable entry, KINDS flags (0/1) in the order REPLACED, RECAST, MOVED, EDITED."""
+        """Per trainable entry, KINDS flags (0/1) in the order REPLACED, RECAST, MOVED, EDITED,
+        STRAY_GRAD."""
         flags = [0] * (KINDS * len(self.items))
         modules: dict[str, nn.Module | None] = {"": self.model}
         for t, (b, e) in enumerate(zip(self.items, self.trainable)):
@@ -78,6 +87,8 @@ class Bindings:
                 flags[KINDS * t + MOVED] = 1
             elif b.version is not None and p._version != b.version:
                 flags[KINDS * t + EDITED] = 1
+            elif p.grad is not None:
+                flags[KINDS * t + STRAY_GRAD] = 1
         return flags
 
 

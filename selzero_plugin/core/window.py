@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..config import SelZeroConfig
 from ..errors import MissingGradientError, NonFiniteGradientError, UsageError
-from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, Bindings
+from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, STRAY_GRAD, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator
 from .layout import Layout
@@ -698,9 +698,10 @@ class ReductionWindow:
             names = [self.trainable[t].name for t in range(len(self.trainable))
                      if binding[KINDS * t + kind]]
             if names:
+                when = "" if kind == STRAY_GRAD else " after SelectedZero2 was built"
                 return UsageError(
-                    f"{me} {len(names)} selected parameter(s) {fix[0]} after SelectedZero2 was "
-                    f"built: {names[:5]}. {fix[1]} The window was dropped on every rank.")
+                    f"{me} {len(names)} selected parameter(s) {fix[0]}{when}: {names[:5]}. "
+                    f"{fix[1]} The window was dropped on every rank.")
         opened = sum(values[c.opened])
         partial = [self.units.names[u] for u, n in enumerate(values[c.passed])
                    if 0 < n < opened] if self.launches_in_backward else []
@@ -871,6 +872,14 @@ _BINDING_TEXT = {
     EDITED: ("were changed in place (an in-place load into bf16/fp16 parameters)",
              "Their FP32 masters would overwrite the change at the next step: call "
              "sz.sync_from_params() after loading weights."),
+    STRAY_GRAD: ("hold a .grad at the reduction point, though selzero's hook takes every selected "
+                 "gradient and sets .grad to None: something else writes them, most likely a "
+                 "DistributedDataParallel (or another data-parallel wrapper) built before "
+                 "SelectedZero2",
+                 "It all-reduces the subset's gradients a second time, and a host optimizer over "
+                 "model.parameters() would step the subset twice. Build SelectedZero2 first and "
+                 "wrap with selzero_plugin.wrap_ddp(model, sz) (or give the host the selected "
+                 "names to ignore); do not set .grad of selected parameters."),
 }
 
 

@@ -155,6 +155,18 @@ class SelectedZero2:
                                  "optimizer_kwargs and config.param_groups must be empty.")
             cls = type(optimizer)
             check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
+            held = [e.name for e in trainable if _stepped(optimizer.state.get(e.param))]
+            if held:
+                keys = sorted(optimizer.state[trainable[[e.name for e in trainable].index(
+                    held[0])].param])
+                raise UsageError(
+                    f"the host optimizer ({cls.__name__}) holds state ({keys}) for {len(held)} "
+                    f"selected parameter(s): {held[:5]}. selzero keeps the subset's optimizer "
+                    "state itself, sharded; the host's copy would never be read or updated again "
+                    "and holds full-size memory. Build SelectedZero2 before the host's first "
+                    "step, or drop that state first (host.state.pop(p) for each selected "
+                    "parameter), and resume the subset from a selzero checkpoint "
+                    "(sz.load_checkpoint). Keeping the parameters in the host's groups is fine.")
             return optimizer, cls, dict(optimizer.defaults), plan_groups_from_host(
                 trainable, optimizer)
         cls = resolve_optimizer_class(optimizer)
@@ -541,6 +553,17 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _stepped(state: Any) -> bool:
+    """Whether a host optimizer's state for a parameter comes from a step (Adagrad makes its
+    ``step == 0`` state in its constructor: that one is the host's initial value, not history)."""
+    if not state:
+        return False
+    step = state.get("step") if isinstance(state, Mapping) else None
+    if step is None:
+        return True
+    return float(step) > 0
 
 
 def _is_expert_groups(group: Any) -> bool:
