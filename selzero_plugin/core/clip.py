@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
+from ..config import SelZeroConfig
 from ..errors import SelZeroError, UsageError
+from .comm import Communicator
 from .window import WindowState
 from .zero2 import SelectedZero2
 
@@ -22,6 +25,16 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     over its group; one over a proper subgroup (expert parallelism: each group holds its own
     experts) sums its shards over the world, so experts held by different groups are each
     counted once and every rank gets the same norm (DeepSpeed#8475 is the bug avoided).
+
+    [Note: one world all-reduce]
+    Under torch.distributed every rank issues exactly one all-reduce over the world here,
+    whatever subsets it holds: the squares of the subsets on proper subgroups, and a failure
+    flag. A rank that holds no such subset (a pipeline stage without expert groups, a rank
+    outside an instance's group) still takes part, so it gets the same norm and nobody waits
+    for it (review finding: such a rank returned a norm without the subgroups' squares while
+    the others waited). The communicator is the process-wide one over the world for the first
+    subset's ``timeout_s`` (600 s without subsets): give every instance of a job the same
+    ``timeout_s``.
     """
     if float(norm_type) != 2.0:
         raise UsageError(f"clip_grad_norm_: norm_type={norm_type!r}; selzero computes the L2 "
@@ -39,9 +52,9 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     if sharded:
         total = total + _dtensor_norm_squared(sharded).to(device)
     groups = [sz for sz in subsets if not sz.spans_world]  # each holds its own experts
+    world = _world(subsets, device)
     error: SelZeroError | None = None
-    world_sq = torch.zeros(2, dtype=torch.float32, device=groups[0].comm.device) \
-        if groups else None
+    world_sq = torch.zeros(2, dtype=torch.float32, device=world.device) if world else None
     for sz in subsets:
         if sz.spans_world:
             if sz.state is not WindowState.REDUCED:
@@ -55,9 +68,9 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
                 world_sq[0] += sz.local_grad_norm_squared().to(world_sq.device)
         except SelZeroError as e:
             error = e
-    if world_sq is not None:
+    if world is not None:
         world_sq[1] = float(error is not None)
-        groups[0].world_communicator().all_reduce(world_sq)
+        world.all_reduce(world_sq)
         if error is not None:
             raise error
         if float(world_sq[1]) > 0:
@@ -68,6 +81,14 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
                              "reason); this rank's windows were dropped too.")
         total = total + world_sq[0].to(device)
     return total.sqrt(), grads, subsets
+
+
+def _world(subsets: list[SelectedZero2], device: torch.device) -> Communicator | None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    timeout_s = subsets[0].config.timeout_s if subsets else SelZeroConfig.timeout_s
+    return Communicator.create(list(range(dist.get_world_size())), timeout_s=timeout_s,
+                               device=subsets[0].comm.device if subsets else device, shared=True)
 
 
 def clip_grad_norm_(host_parameters: Iterable[torch.nn.Parameter] | torch.Tensor, max_norm: float,

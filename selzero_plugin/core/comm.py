@@ -229,6 +229,8 @@ class Communicator:
         """A communicator of its own over ``ranks`` (an instance's bucket collectives), or with
         ``shared`` the process-wide one for that rank set ([Note: communicators])."""
         start = time.monotonic()
+        if shared:
+            purpose = "shared"
         try:
             group = shared_group(ranks, timeout_s) if shared else \
                 _selzero_group(ranks, timeout_s, purpose)
