@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from selzero_plugin.core.binding import KINDS
+
 from ._accum_runs import (MICRO_STEPS, MODES, NUM_EXPERTS, STEPS, TOKENS, accumulate_many,
                           usage_errors)
 from .dist_utils import all_values, run_ranks
@@ -73,8 +75,9 @@ def _reduction_point(buckets: list, world: int, out: dict[str, Any]) -> list[tup
     # one control vector, whatever the phase: per rank its call signature and three flags
     # (second backward, dropped windows, opened); active, weight, non-finite; a late-gradient
     # flag per entry; per launch unit a fired count and group rank 0's order of passing;
-    # presence per virtual parameter; four binding flags per entry (core/binding.py)
-    size = 4 * world + 3 + out["entries"] + 2 * out["units"] + out["virtuals"] + 4 * out["entries"]
+    # presence per virtual parameter; KINDS binding flags per entry (core/binding.py)
+    size = 4 * world + 3 + out["entries"] + 2 * out["units"] + out["virtuals"] + \
+        KINDS * out["entries"]
     expected.append(("all_reduce", size, I64))
     return expected
 

@@ -83,9 +83,13 @@ def test_a_save_killed_before_the_renames_leaves_the_old_folder_in_place(point, 
     tree = s["snapshot"][point]
     assert tree["ckpt"] == sorted(p.name for p in s["old"].iterdir())
     staging = [name for name in tree if ".staging-" in name]
+    if point == "mid_shard":
+        # rank 1 died while writing: rank 0's agreement raised CollectiveError and rank 0
+        # removed the staging folder (a crash of rank 0 itself would leave it: before_place)
+        assert staging == [], tree
+        _loaded_old(s, point)
+        return
     assert len(staging) == 1, tree
-    if point == "mid_shard":  # rank 1 died while writing: no manifest in the staging folder
-        assert "manifest.json" not in tree[staging[0]]
     _loaded_old(s, point)
     for res in s["loads"][point]:
         assert any("unfinished save" in w and staging[0] in w for w in res["warnings"])

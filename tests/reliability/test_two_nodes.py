@@ -28,13 +28,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +38,8 @@ import torch
 from safetensors.torch import load_file
 
 from selzero_plugin.cli import main as cli
+
+from ._launch import free_port, start, wait_all
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -53,48 +50,14 @@ MEMBERS = ("w_in.weight", "w_in.bias", "w_out.weight", "w_out.bias")
 DEAD = EXPERTS - 1  # never routed: no optimizer state
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(tmp: Path, tag: str, *, nnodes: int, node_rank: int, nproc: int, port: int,
            args: list[str]) -> tuple[subprocess.Popen, Path]:
-    log = tmp / f"{tag}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-           "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port",
-           str(port), "--max-restarts", "0", str(SCRIPT), *args]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "LOCAL_WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp, env=env,
-                                start_new_session=True)
-    return proc, log
+    return start(tmp, tag, SCRIPT, nnodes=nnodes, node_rank=node_rank, nproc=nproc, port=port,
+                 args=args)
 
 
 def _wait_all(launches: list[tuple[subprocess.Popen, Path]]) -> None:
-    """Every launch exits 0 within LAUNCH_TIMEOUT; at the first failure or at the deadline
-    every launch still running is killed (its process group) and the logs are shown."""
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    while time.monotonic() < deadline:
-        codes = [proc.poll() for proc, _ in launches]
-        if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
-            break
-        time.sleep(0.2)
-    codes = [proc.poll() for proc, _ in launches]
-    if all(c == 0 for c in codes):
-        return
-    for proc, _ in launches:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = "\n".join(f"--- {log.name} (exit {'timeout' if c is None else c}) ---\n"
-                     f"{log.read_text()[-6000:]}" for (_, log), c in zip(launches, codes))
-    pytest.fail(f"a launch failed or ran past {LAUNCH_TIMEOUT} s:\n{text}")
+    wait_all(launches, LAUNCH_TIMEOUT)
 
 
 def _results(folder: Path, world: int) -> list[dict[str, Any]]:
@@ -106,7 +69,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("two_nodes")
     common = ["--save-at", str(SAVE_AT), "--total", str(TOTAL)]
     # (a) two "nodes" of 2 processes, one rendezvous on 127.0.0.1
-    port = _free_port()
+    port = free_port()
     nodes = [_start(tmp, f"node{k}", nnodes=2, node_rank=k, nproc=2, port=port,
                     args=["--out", str(tmp / "out2n"), "--train", str(tmp / "ck2n"),
                           "--ep", "2", *common]) for k in range(2)]
@@ -118,10 +81,10 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     (tmp / "ck2r" / "dense.pt").write_bytes((tmp / "ck2n" / "dense.pt").read_bytes())
     # (b) + (c) one node of 4: from scratch, then from the two nodes' checkpoint;
     # (d) beside it, one node of 2 from the resharded checkpoint
-    one = _start(tmp, "one4", nnodes=1, node_rank=0, nproc=4, port=_free_port(),
+    one = _start(tmp, "one4", nnodes=1, node_rank=0, nproc=4, port=free_port(),
                  args=["--out", str(tmp / "out1n"), "--train", str(tmp / "ck1n"),
                        "--load", str(tmp / "ck2n"), "--ep", "2", *common])
-    two = _start(tmp, "one2", nnodes=1, node_rank=0, nproc=2, port=_free_port(),
+    two = _start(tmp, "one2", nnodes=1, node_rank=0, nproc=2, port=free_port(),
                  args=["--out", str(tmp / "out2r"), "--load", str(tmp / "ck2r"), "--ep", "1",
                        *common])
     _wait_all([one, two])
