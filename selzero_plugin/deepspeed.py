@@ -47,6 +47,7 @@ from .config import SelZeroConfig
 from .core.comm import Communicator
 from .core.contract import agree_on_local_errors
 from .core.report import StepResult
+from .core.optim import stepped_state
 from .core.selection import resolve_selection
 from .core.window import WindowState
 from .core.zero2 import SelectedZero2
@@ -257,6 +258,45 @@ def _as_list(params: Any) -> list[Any]:
     return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
+def _refuse_misuse(model: nn.Module, entries: list[Any], client: Any) -> None:
+    """Setups that would lose state or train the subset twice, refused before DeepSpeed sees
+    the model: a client optimizer that already stepped a selected parameter (its state would be
+    dropped), and parameters of another live SelectedZero2 (DeepSpeed would take them too)."""
+    if isinstance(client, torch.optim.Optimizer):
+        held = [e.name for e in entries if stepped_state(client.state.get(e.param))]
+        if held:
+            raise UsageError(
+                f"the client optimizer ({type(client).__name__}) holds state for {len(held)} "
+                f"parameter(s) the \"selected_zero2\" entry selects: {held[:5]}. selzero keeps "
+                "the subset's optimizer state itself, so that state would be dropped. Create "
+                "the optimizer without stepping it before deepspeed.initialize, or resume the "
+                "subset from a selzero checkpoint (engine.load_checkpoint).")
+    selected = {id(e.param) for e in entries}
+    others: dict[str, list[str]] = {}
+    for name, p in model.named_parameters():
+        owner = getattr(p, "_selzero_owner", None)
+        live = owner() if owner is not None else None
+        if live is not None and live.window.installed and id(p) not in selected:
+            others.setdefault(live.config.name, []).append(name)
+    for instance, names in others.items():
+        raise UsageError(
+            f"{len(names)} parameter(s) of the model belong to a SelectedZero2 built before "
+            f"deepspeed.initialize (name {instance!r}): {names[:5]}. DeepSpeed would take "
+            "their gradients too. The entry runs one instance: select these parameters in its "
+            "\"params\" as well, or call remove_hooks() on that instance first.")
+
+
+def _no_backward_since_step(engine: Any) -> bool:
+    """ZeRO-1/2 at a boundary with no gradient reduced since the last step (DeepSpeed itself
+    fails there with a KeyError or a TypeError in scaled_global_norm)."""
+    opt = engine.optimizer
+    averaged = getattr(opt, "averaged_gradients", None)
+    groups = getattr(opt, "bit16_groups", None)
+    if not isinstance(averaged, dict) or not groups:
+        return False
+    return all(averaged.get(i) is None for i in range(len(groups)))
+
+
 def _strip_client_optimizer(optimizer: torch.optim.Optimizer, selected: set[int]
                             ) -> dict[int, dict[str, Any]]:
     """Remove the selected parameters from a client optimizer (groups and state), in place.
@@ -397,6 +437,12 @@ def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
         if not engine.is_gradient_accumulation_boundary():
             plumbing.close_microstep()
             return orig_step(*args, **kwargs)
+        if _no_backward_since_step(engine):
+            raise UsageError(
+                "engine.step() at a gradient accumulation boundary without a backward since the "
+                "last step (DeepSpeed ZeRO-1/2 fails there itself, with a KeyError in "
+                "scaled_global_norm): call engine.backward(loss) first, or skip step() for this "
+                "batch.")
         plumbing.reduce()
         try:
             return orig_step(*args, **kwargs)
@@ -651,6 +697,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 f"\"selected_zero2\": params={list(sz_config.params)} modules="
                 f"{list(sz_config.modules)} select no parameter of the model; check the names "
                 "with `selzero plan` or model.named_parameters().")
+        _refuse_misuse(model, entries, bound.arguments.get("optimizer"))
     except SelZeroError as e:
         error = e
     agree_on_local_errors(world, error, what="selected_zero2 at deepspeed.initialize")

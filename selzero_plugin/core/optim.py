@@ -26,7 +26,7 @@ from .selection import SelectedEntry, matches_any
 
 __all__ = ["ELEMENTWISE", "GroupPlan", "SegmentOptimizer", "resolve_optimizer_class",
            "check_elementwise", "check_hyperparameters", "plan_groups", "plan_groups_from_host",
-           "build_optimizer", "qualified_name", "jsonable"]
+           "build_optimizer", "qualified_name", "jsonable", "stepped_state"]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -214,3 +214,14 @@ class SegmentOptimizer:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+
+
+def stepped_state(state: Any) -> bool:
+    """Whether a host optimizer's state for a parameter comes from a step (Adagrad makes its
+    ``step == 0`` state in its constructor: that one is the host's initial value, not history)."""
+    if not state:
+        return False
+    step = state.get("step") if isinstance(state, dict) else None
+    if step is None:
+        return True
+    return float(step) > 0

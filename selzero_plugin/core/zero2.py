@@ -35,7 +35,7 @@ from .contract import Field, agree_on_local_errors, check_contract
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
 from .optim import (GroupPlan, SegmentOptimizer, check_elementwise, check_hyperparameters,
                     jsonable, plan_groups, plan_groups_from_host, qualified_name,
-                    resolve_optimizer_class)
+                    resolve_optimizer_class, stepped_state)
 from .report import MemoryReport, StepResult
 from .selection import SelectedEntry, resolve_selection
 from .storage import ShardStorage
@@ -155,7 +155,7 @@ class SelectedZero2:
                                  "optimizer_kwargs and config.param_groups must be empty.")
             cls = type(optimizer)
             check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
-            held = [e.name for e in trainable if _stepped(optimizer.state.get(e.param))]
+            held = [e.name for e in trainable if stepped_state(optimizer.state.get(e.param))]
             if held:
                 keys = sorted(optimizer.state[trainable[[e.name for e in trainable].index(
                     held[0])].param])
@@ -553,17 +553,6 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _stepped(state: Any) -> bool:
-    """Whether a host optimizer's state for a parameter comes from a step (Adagrad makes its
-    ``step == 0`` state in its constructor: that one is the host's initial value, not history)."""
-    if not state:
-        return False
-    step = state.get("step") if isinstance(state, Mapping) else None
-    if step is None:
-        return True
-    return float(step) > 0
 
 
 def _is_expert_groups(group: Any) -> bool:
