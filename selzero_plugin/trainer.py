@@ -26,6 +26,7 @@ only adds the logs.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import warnings
@@ -39,12 +40,15 @@ from .accelerate import resolve_config
 from .checkpoint import host as host_checkpoint
 from .config import SelZeroConfig
 from .core.selection import resolve_selection
+from .core.zero2 import SelectedZero2
 from .errors import CheckpointError, ConfigError, UsageError
 
 try:  # the callback is a TrainerCallback when transformers is installed
     from transformers import TrainerCallback as _Base
 except ImportError:  # pragma: no cover - exercised only without transformers
     _Base = object  # type: ignore[assignment,misc]
+
+logger = logging.getLogger("selzero_plugin")
 
 __all__ = ["SelectedZero2Callback"]
 
@@ -238,6 +242,8 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
                     "folder in it (saved without selzero?). Resume from a checkpoint saved with "
                     "SelectedZero2Callback, or pass SelectedZero2Callback(config, "
                     "fresh_start=True) to start the selected parameters' optimizer state anew.")
+            else:
+                _drop_host_state(sz)
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -298,3 +304,18 @@ def _warn_fused_experts(model: Any, config: SelZeroConfig) -> None:
             "experts) and expert_dim is not set, so each is treated as one parameter: an expert "
             "that got no tokens is still updated (weight decay, momentum). Set expert_dim: 0 to "
             "treat each expert as its own parameter.", UserWarning, stacklevel=3)
+
+
+def _drop_host_state(sz: SelectedZero2) -> None:
+    """fresh_start: the Trainer loaded the host optimizer's state from a checkpoint saved
+    without selzero, full-size state for the selected parameters among it, which nothing would
+    read or update again (and every later optimizer.pt would carry): drop it, say so (review
+    finding)."""
+    host = sz.host_optimizer
+    if host is None:
+        return
+    dropped = [e.name for e in sz.trainable if host.state.pop(e.param, None) is not None]
+    if dropped and sz.comm.rank == 0:
+        logger.warning("selzero: fresh_start: dropped the host optimizer's state for %d selected "
+                       "parameter(s) loaded from a checkpoint saved without selzero (e.g. %s); "
+                       "selzero starts their optimizer state anew.", len(dropped), dropped[0])

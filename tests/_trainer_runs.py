@@ -98,12 +98,14 @@ def fresh(out: Path, model: str) -> None:
         trainer.train(resume_from_checkpoint=str(work / "checkpoint-4"))
     except CheckpointError as e:
         error = str(e)
-    trainer = hf_train.build_trainer(
-        model, str(out / "fresh"), SelectedZero2Callback(config_of("sz0"), fresh_start=True),
-        steps=6)
+    callback = SelectedZero2Callback(config_of("sz0"), fresh_start=True)
+    trainer = hf_train.build_trainer(model, str(out / "fresh"), callback, steps=6)
     trainer.train(resume_from_checkpoint=str(work / "checkpoint-4"))
+    host = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") \
+        else trainer.optimizer
+    stale = sum(e.param in host.state for e in callback.selzero.trainable)
     (out / f"fresh{dist.get_rank()}.json").write_text(json.dumps(
-        {"error": error, "steps": trainer.state.global_step}))
+        {"error": error, "steps": trainer.state.global_step, "host_state_on_selected": stale}))
 
 
 def ds_fresh(out: Path, model: str) -> None:

@@ -194,3 +194,20 @@ def test_cannot_resolve_a_folder_without_a_complete_checkpoint(tmp_path):
     (tmp_path / "partial").mkdir()
     with pytest.raises(CheckpointError, match="incomplete save"):
         resolve_folder(tmp_path / "partial")
+
+
+@pytest.mark.parametrize("name", ["ckpt.staging-20240101", "ckpt.previous"])
+def test_a_folder_named_like_selzero_sibling_folders_is_refused(tmp_path, name):
+    """A save into ``ckpt.staging-20240101`` (a date) was accepted, refused at load as a staging
+    folder, and deleted by the next save of ``ckpt`` (review finding)."""
+    import torch
+
+    from selzero_plugin import SelectedZero2, SelZeroConfig
+
+    from .models import ToyMoE
+
+    sz = SelectedZero2(ToyMoE(), SelZeroConfig(params=["experts.*"]), torch.optim.SGD,
+                       {"lr": 0.1})
+    with pytest.raises(CheckpointError, match="Choose another name"):
+        sz.save_checkpoint(tmp_path / name)
+    assert not (tmp_path / name).exists()

@@ -174,12 +174,15 @@ def test_fused_experts_without_expert_dim_warn(qwen3):
 
 
 def test_resume_from_a_checkpoint_without_selzero(mixtral):
-    """Refused on every rank unless fresh_start=True, which then trains on."""
+    """Refused on every rank unless fresh_start=True, which then trains on, and drops the
+    host optimizer's stale state for the selected parameters (loaded from the plain
+    checkpoint's optimizer.pt: nothing would read it again)."""
     out, _ = mixtral
     for rank in (0, 1):
         got = json.loads((out / f"fresh{rank}.json").read_text())
         assert "no selected_zero2/ folder" in got["error"] and "fresh_start=True" in got["error"]
         assert got["steps"] == 6
+        assert got["host_state_on_selected"] == 0
 
 
 def test_setups_that_would_train_wrong_are_refused_on_every_rank(mixtral):

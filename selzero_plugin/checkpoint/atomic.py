@@ -80,6 +80,10 @@ def leftover_stagings(folder: Path) -> list[Path]:
 
 def refuse_to_replace(folder: Path) -> str | None:
     """Why ``folder`` must not be replaced by a save, or None when it may be."""
+    if is_staging(folder) or folder.name.endswith(".previous"):
+        return (f"{folder.name!r} ends like a name selzero gives its own sibling folders "
+                "('.staging-' and 8 hex digits, '.previous'): a later save of the folder it "
+                "seems to belong to would delete it, and a load refuses it. Choose another name.")
     if folder.exists() and not folder.is_dir():
         return f"{folder} exists and is not a folder; choose another checkpoint folder."
     if folder.is_dir() and not (folder / MANIFEST_NAME).is_file() and any(folder.iterdir()):

@@ -93,6 +93,7 @@ def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
         raise UsageError(f"load_checkpoint({folder}) was called in the middle of a step (window "
                          f"state {view.window_state}); call it before training or right after "
                          "step().")
+    view.check_installable()
     path, notes = _resolve(folder, save_id, indexed)
     manifest = read_manifest(path)
     sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()

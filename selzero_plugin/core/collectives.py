@@ -192,8 +192,10 @@ class BucketCollectives:
         self.buffers[b] = None
         self.filled[b] = set()
         self.comm.what = f"gradient bucket {b} of {len(self.layout.buckets)}"
-        self.pending.append((b, self.comm.reduce_scatter_rows(buffer), buffer))
-        self.comm.what = ""
+        try:
+            self.pending.append((b, self.comm.reduce_scatter_rows(buffer), buffer))
+        finally:
+            self.comm.what = ""
         self.next_launch += 1
 
     def launch_rest(self) -> None:
@@ -262,8 +264,10 @@ class BucketCollectives:
         self.storage.pack_row(b, rows[self.comm.rank],
                               persistent=self.pool.persistent(gathered))
         self.comm.what = f"parameter bucket {b} of {len(self.layout.buckets)}"
-        work = self.comm.all_gather_rows_(gathered)
-        self.comm.what = ""
+        try:
+            work = self.comm.all_gather_rows_(gathered)
+        finally:
+            self.comm.what = ""
         return b, work, gathered
 
     def _unpack(self, b: int, work: Any, gathered: torch.Tensor) -> None:

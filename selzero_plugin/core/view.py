@@ -47,6 +47,14 @@ class ShardView:
     expert_parallel: tuple[int, int] | None  # (ep_rank, ep_size) of an expert-parallel instance
     _chunks: Callable[[], list[Chunk]]
     _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]], None]
+    _check: Callable[[], None]
+
+    def check_installable(self) -> None:
+        """Raise (a UsageError) where install() could not bind the parameters (replaced or
+        recast since construction): local, so it belongs in the read phase every rank agrees
+        on, not in install() (review finding: one rank raised alone there, the others had
+        swapped their state in and waited)."""
+        self._check()
 
     def chunks(self) -> list[Chunk]:
         return self._chunks()

@@ -624,8 +624,10 @@ class ReductionWindow:
                 host[base + units + u] = position + 1
         vector[c.late.start:c.order.stop] = torch.tensor(host, dtype=_I64, device=self.comm.device)
         self.comm.what = "the reduction point's agreement (presence, weight, launch units)"
-        self.comm.all_reduce(vector)
-        self.comm.what = ""
+        try:
+            self.comm.all_reduce(vector)
+        finally:
+            self.comm.what = ""
         return vector.tolist()  # the one device-to-host read of a reduction point
 
     def _adopt_launch_order(self, values: list[int]) -> None:

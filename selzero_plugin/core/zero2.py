@@ -130,6 +130,7 @@ class SelectedZero2:
                     f"{owner().config.name!r}), whose hooks would take its gradients. Call "
                     "old.remove_hooks() before building a new instance on the same parameters.")
         trainable = [e for e in entries if not e.frozen]
+        _take_stale_grads(trainable)
         for e in trainable:
             if e.param.numel() == 0 or not e.param.is_contiguous():
                 raise SelectionError(f"parameter {e.name!r} (shape {tuple(e.param.shape)}) must be a "
@@ -410,7 +411,15 @@ class SelectedZero2:
         them and the parameters set to their cast, so no rounding is lost. With ``broadcast``
         (a collective of the group) the values are first broadcast from group rank 0.
         """
-        self._check_dtypes()
+        if broadcast:  # a collective: a rank that cannot follow must not leave the others
+            error: SelZeroError | None = None
+            try:
+                self._check_dtypes()
+            except SelZeroError as e:
+                error = e
+            agree_on_local_errors(self.comm, error, what="sync_from_params(broadcast=True)")
+        else:
+            self._check_dtypes()
         self.storage.rebind()
         if values is None:
             self.storage.load_masters()
@@ -440,7 +449,7 @@ class SelectedZero2:
         if replaced:
             raise UsageError(f"parameters {replaced[:5]} are no longer the model's parameter "
                              "objects (load_state_dict(assign=True), swap_tensors, ...): "
-                             "sync_from_params() cannot follow them. Load in place (then call "
+                             "selzero cannot follow them. Load in place (then call "
                              "sz.sync_from_params()), or call sz.remove_hooks() and build a new "
                              "SelectedZero2.")
         for e in self.entries:
@@ -459,7 +468,8 @@ class SelectedZero2:
             group_hyperparameters=[dict(p.hyper) for p in self._plans],
             optimizer_class=self._opt_cls, optimizer=self.optimizer,
             idle=window.state is WindowState.IDLE, window_state=window.state.value,
-            expert_parallel=self.expert_parallel, _chunks=self._chunks, _install=self._install)
+            expert_parallel=self.expert_parallel, _chunks=self._chunks, _install=self._install,
+            _check=self._check_dtypes)
 
     def _chunks(self) -> list[Chunk]:
         return [Chunk(slot, seg, self.optimizer.state.get(seg) or {})
@@ -553,6 +563,26 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _take_stale_grads(trainable: list[SelectedEntry]) -> None:
+    """A ``.grad`` a selected parameter already holds at construction would be added into its
+    first gradient by autograd and reach the update unseen (review finding). Zeros (a
+    ``zero_grad(set_to_none=False)``) are dropped; anything else is refused."""
+    stale = []
+    for e in trainable:
+        grad = e.param.grad
+        if grad is None:
+            continue
+        if grad.count_nonzero() == 0:
+            e.param.grad = None
+        else:
+            stale.append(e.name)
+    if stale:
+        raise UsageError(
+            f"{len(stale)} selected parameter(s) already hold a non-zero .grad: {stale[:5]} (a "
+            "backward before SelectedZero2 was built?). autograd would add it into their first "
+            "gradient. Call model.zero_grad(set_to_none=True) before building SelectedZero2.")
 
 
 def _is_expert_groups(group: Any) -> bool:

@@ -11,6 +11,8 @@ wait). World 2 and 3, routing that differs by rank.
 | a host optimizer holding state for a selected parameter (all ranks or one) | UsageError at construction, naming the parameters and the fix; keeping them in its groups with ``grad=None`` is fine |
 | the model wrapped with DDP before selzero was built | UsageError at the first reduction point (DDP writes the subset's averaged gradients back into ``.grad``) |
 | the model cast or moved after setup (all ranks or one) | UsageError at the reduction point naming the parameters (core/binding.py) |
+| a selected ``.grad`` left by a backward before construction (one rank) | UsageError at construction on every rank (autograd would add it into the first gradient); zeros left by ``zero_grad(set_to_none=False)`` are dropped |
+| a parameter replaced on one rank, then ``load_checkpoint`` | UsageError on every rank from the read phase; every rank keeps its state |
 """
 
 from __future__ import annotations
@@ -148,8 +150,48 @@ def _moved(rank: int, who: str) -> dict[str, Any]:
     return {}
 
 
-def misuse_run(rank: int, world: int) -> dict[str, Any]:
+def _load_replaced(rank: int, folder: str) -> dict[str, Any]:
+    """A parameter object replaced on one rank, then a load: every rank refuses in the read
+    phase and keeps its state (review finding: the others had swapped theirs in)."""
+    model, sz = _engine()
+    _loss(model, rank, 0).backward()
+    sz.step()
+    sz.save_checkpoint(folder)
+    _loss(model, rank, 1).backward()
+    sz.step()
+    if rank == 1:
+        old = model.experts[0].w1.weight
+        model.experts[0].w1.weight = torch.nn.Parameter(old.detach().clone())
+    before = snapshot(model, sz)
+    try:
+        sz.load_checkpoint(folder)
+    finally:
+        after = snapshot(model, sz)
+        assert before.keys() == after.keys() and all(
+            torch.equal(before[k], v) if isinstance(v, torch.Tensor) else before[k] == v
+            for k, v in after.items()), "state changed by a refused load"
+    return {}
+
+
+def _stale_grad(rank: int, kind: str) -> dict[str, Any]:
+    """A backward before construction (on one rank: rank 1): its .grad would be added into the
+    first gradient. Zeros left by zero_grad(set_to_none=False) are fine."""
+    torch.manual_seed(0)
+    model = ToyMoE()
+    if rank == 1 or kind == "zeros":
+        _loss(model, rank, 0).backward()
+        if kind == "zeros":
+            model.zero_grad(set_to_none=False)
+    _, sz = _engine(model=model)
+    return {"grads": [n for n, p in model.named_parameters() if "experts" in n and
+                      p.grad is not None]}
+
+
+def misuse_run(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {
+        "stale_grad/one": capture(lambda: _stale_grad(rank, "values")),
+        "stale_grad/zeros": capture(lambda: _stale_grad(rank, "zeros")),
+        "load_replaced/one": capture(lambda: _load_replaced(rank, folder)),
         "step_without_backward/all": capture(lambda: _step_without_backward(rank, "all")),
         "step_without_backward/one": capture(lambda: _step_without_backward(rank, "one")),
         "second_step": capture(lambda: _second_step(rank)),
@@ -166,9 +208,10 @@ def misuse_run(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def runs(request):
+def runs(request, tmp_path_factory):
     world = request.param
-    return world, all_values(run_ranks(misuse_run, world, timeout=180))
+    folder = tmp_path_factory.mktemp(f"misuse-w{world}") / "ckpt"
+    return world, all_values(run_ranks(misuse_run, world, str(folder), timeout=180))
 
 
 def _values(runs: Any, key: str) -> list[Any]:
@@ -242,3 +285,16 @@ def test_ddp_built_before_selzero_is_refused_at_the_first_reduction(runs):
 def test_a_model_cast_after_setup_is_refused_on_every_rank(runs, who):
     _same_usage_error(runs, f"moved/{who}", ["changed dtype", "experts.0.",
                                              "Cast the model before building SelectedZero2"])
+
+
+def test_a_load_after_a_parameter_was_replaced_on_one_rank_is_refused_by_every_rank(runs):
+    _same_usage_error(runs, "load_replaced/one", ["failed on group rank 1",
+                                                  "no longer the model's parameter objects",
+                                                  "experts.0.w1.weight"])
+
+
+def test_a_gradient_left_before_construction_is_refused_and_zeros_are_dropped(runs):
+    _same_usage_error(runs, "stale_grad/one", ["failed on group rank 1", "non-zero .grad",
+                                               "zero_grad(set_to_none=True)"])
+    for v in _values(runs, "stale_grad/zeros"):
+        assert v == {"grads": []}, v
