@@ -189,6 +189,12 @@ def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> Non
             "selected_zero2 with fp16.enabled: the subset's gradients would need DeepSpeed's "
             "dynamic loss scale and its overflow check, which selzero does not take part in. "
             "Use bf16 ({\"bf16\": {\"enabled\": true}}) or fp32.")
+    if ds_config.get("managed_gradient_accumulation") in (False, "false"):
+        raise ConfigError(
+            "selected_zero2 with \"managed_gradient_accumulation\": false: DeepSpeed then "
+            "decides the accumulation boundary inside its own step, after the entry's wrapper "
+            "has to reduce the subset, so the subset would never be stepped (review finding). "
+            "Remove the setting (the default, true) to use the entry.")
     if "expert_parallel" in ds_config:
         raise ConfigError(
             "selected_zero2 together with DeepSpeed's own \"expert_parallel\" block (AutoEP): "
@@ -290,6 +296,8 @@ def _no_backward_since_step(engine: Any) -> bool:
     """ZeRO-1/2 at a boundary with no gradient reduced since the last step (DeepSpeed itself
     fails there with a KeyError or a TypeError in scaled_global_norm)."""
     opt = engine.optimizer
+    if getattr(opt, "cpu_offload", False):  # DeepSpeed keeps no averaged_gradients then
+        return False
     averaged = getattr(opt, "averaged_gradients", None)
     groups = getattr(opt, "bit16_groups", None)
     if not isinstance(averaged, dict) or not groups:

@@ -7,7 +7,6 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..config import SelZeroConfig
 from ..errors import SelZeroError, UsageError
 from .comm import Communicator
 from .window import WindowState
@@ -32,9 +31,10 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     flag. A rank that holds no such subset (a pipeline stage without expert groups, a rank
     outside an instance's group) still takes part, so it gets the same norm and nobody waits
     for it (review finding: such a rank returned a norm without the subgroups' squares while
-    the others waited). The communicator is the process-wide one over the world for the first
-    subset's ``timeout_s`` (600 s without subsets): give every instance of a job the same
-    ``timeout_s``.
+    the others waited). Its communicator is the process-wide one over the world with the
+    fixed ``CLIP_TIMEOUT_S`` (600 s): keyed by an instance's ``timeout_s``, a rank without
+    instances, or with another ``timeout_s``, named another group and waited (second review).
+    A dead peer still fails it at once; a stalled one after 600 s.
     """
     if float(norm_type) != 2.0:
         raise UsageError(f"clip_grad_norm_: norm_type={norm_type!r}; selzero computes the L2 "
@@ -83,11 +83,15 @@ def global_grad_norm(host_parameters: Iterable[torch.nn.Parameter] | torch.Tenso
     return total.sqrt(), grads, subsets
 
 
+CLIP_TIMEOUT_S = 600.0
+"""Of the norm's world all-reduce: one fixed value, so every rank, whatever its instances and
+their ``timeout_s``, names the same communicator ([Note: one world all-reduce])."""
+
+
 def _world(subsets: list[SelectedZero2], device: torch.device) -> Communicator | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    timeout_s = subsets[0].config.timeout_s if subsets else SelZeroConfig.timeout_s
-    return Communicator.create(list(range(dist.get_world_size())), timeout_s=timeout_s,
+    return Communicator.create(list(range(dist.get_world_size())), timeout_s=CLIP_TIMEOUT_S,
                                device=subsets[0].comm.device if subsets else device, shared=True)
 
 

@@ -16,12 +16,14 @@ from .._state import capture
 __all__ = ["misuse_deepspeed_run"]
 
 
-def _engine(rank: int, world: int, *, client: Any = None, model: Any = None) -> Any:
+def _engine(rank: int, world: int, *, client: Any = None, model: Any = None,
+            changes: dict[str, Any] | None = None) -> Any:
     import deepspeed
 
     model = model if model is not None else dsh.build_model()
     config = dsh.ds_config(2, False, optimizer=client is None, world=world)
     config.update(gradient_accumulation_steps=1, train_batch_size=6 * world)
+    config.update(changes or {})
     config["selected_zero2"]["timeout_s"] = 30.0
     if client is not None:
         config["zero_allow_untested_optimizer"] = True
@@ -85,6 +87,21 @@ def _second_instance(rank: int, world: int) -> dict[str, Any]:
     return {}
 
 
+def _offload(rank: int, world: int) -> dict[str, Any]:
+    """ZeRO-Offload keeps no averaged_gradients: the step check must not fire (second review)."""
+    engine = _engine(rank, world, changes={
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_force_ds_cpu_optimizer": False})
+    engine.backward(dsh.ds_loss(engine, 0, rank, None))
+    engine.step()
+    return {"updated": engine.selzero_step_result.updated}
+
+
+def _unmanaged_accumulation(rank: int, world: int) -> dict[str, Any]:
+    _engine(rank, world, changes={"managed_gradient_accumulation": False})
+    return {}
+
+
 def misuse_deepspeed_run(rank: int, world: int) -> dict[str, Any]:
     dsh._quiet()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -92,5 +109,6 @@ def misuse_deepspeed_run(rank: int, world: int) -> dict[str, Any]:
 
     cases = {"step_without_backward": _step_without_backward, "second_step": _second_step,
              "client_with_state": _client_with_state, "cast_after": _cast_after,
-             "second_instance": _second_instance}
+             "second_instance": _second_instance, "offload": _offload,
+             "unmanaged_accumulation": _unmanaged_accumulation}
     return {name: capture(lambda fn=fn: fn(rank, world)) for name, fn in cases.items()}

@@ -7,6 +7,8 @@ _misuse_deepspeed.py): each misuse raises the same UsageError on every rank, say
 | a client optimizer that already stepped a selected parameter | refused at ``deepspeed.initialize`` on every rank (DeepSpeed's copy of it would otherwise be dropped silently) |
 | a second SelectedZero2 built on the model before ``deepspeed.initialize`` | refused: DeepSpeed would take its gradients too |
 | the module cast on one rank after ``initialize`` | refused on every rank at the reduction point |
+| ``"managed_gradient_accumulation": false`` | ConfigError at ``initialize`` (the subset would never be stepped) |
+| ZeRO-Offload (not misuse: the step check must not fire) | trains |
 """
 
 from __future__ import annotations
@@ -47,3 +49,15 @@ def test_every_rank_raises_the_same_usage_error(results, case):
             assert needle in got["message"], f"{needle!r} not in {got['message']!r}"
         messages.append(strip_rank_prefix(got["message"]))
     assert len(set(messages)) == 1, messages
+
+
+def test_unmanaged_gradient_accumulation_is_refused(results):
+    for got in results:
+        got = got["unmanaged_accumulation"]
+        assert got.get("error") == "ConfigError", got
+        assert "managed_gradient_accumulation" in got["message"], got
+
+
+def test_zero_offload_is_not_taken_for_a_step_without_backward(results):
+    for got in results:
+        assert got["offload"].get("value", {}).get("updated", 0) > 0, got["offload"]

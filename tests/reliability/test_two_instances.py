@@ -509,3 +509,24 @@ def test_clip_with_a_subgroup_instance_that_some_ranks_do_not_hold():
     norms = [v["norm"] for v in all_values(run_ranks(partial_clip_run, 3, timeout=60))]
     assert norms[0] == norms[1] == norms[2], norms
     assert abs(norms[0] - _partial_clip_reference()) < 1e-5 * norms[0], norms
+
+
+def empty_clip_run(rank: int, world: int) -> dict[str, Any]:
+    """World 3: one instance over ranks [0, 1] with timeout_s=20; rank 2 holds none and calls
+    clip_grad_norm_(..., subsets=[]): it must meet the others (second review: it named another
+    world group, keyed by the default timeout, and waited 600 s)."""
+    group01 = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"experts": nn.Linear(4, 4), "dense": nn.Linear(4, 4)})
+    subsets = []
+    if rank < 2:
+        subsets.append(SelectedZero2(model, SelZeroConfig(params=["experts.*"], timeout_s=20,
+                                                          normalize_over="world"),
+                                     torch.optim.SGD, {"lr": 0.1}, group=group01))
+        model["experts"](torch.ones(2, 4) * (rank + 1)).sum().backward()
+    return {"norm": float(clip_grad_norm_([], 1.0, subsets=subsets))}
+
+
+def test_clip_on_a_rank_without_any_instance():
+    norms = [v["norm"] for v in all_values(run_ranks(empty_clip_run, 3, timeout=60))]
+    assert norms[0] == norms[1] == norms[2] > 0, norms
