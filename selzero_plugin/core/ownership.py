@@ -1,0 +1,81 @@
+"""Whole-tensor ownership (issue 12, first part): which group rank owns which (virtual) parameter
+when a matrix-wise optimizer (Muon, Adafactor) needs whole tensors. Pure arithmetic: no
+torch.distributed here, the same result on every rank from the same inputs.
+
+[Note: ownership plan]
+Each (virtual) parameter has a cost: the optimizer's work on it per step. For an elementwise
+optimizer that is its number of elements; for Muon it is dominated by the Newton-Schulz
+iteration on the (m x n) matrix, m <= n: per step a Gram matrix (2 m^2 n flops), its update
+(2 m^3) and the product with the iterate (2 m^2 n), ``ns_steps`` times, plus the elementwise
+momentum (a few flops per element). Owners are assigned greedily, largest cost first, each to
+the rank with the least load so far (LPT scheduling: at most 4/3 of the optimal maximum load);
+ties are broken by the lower index, then the lower rank, so the plan is a function of the costs
+and the group size alone and is part of the contract (it is recorded in checkpoints, and a
+reshard re-plans with the same function).
+
+[Note: whole-tensor layout (plan for partition="tensors", not built yet)]
+The chunk layout (layout.py) gives every virtual parameter N equal pieces, one per rank row at
+the same row offset. Whole-tensor ownership gives it one piece: row ``owner`` at an offset of
+that row. Both are "pieces": (rank, row offset, flat start, length) per virtual parameter,
+so the bucket machinery (fill, zero-fill at launch, one reduce-scatter per bucket, the
+all-gather back) stays as it is once row views are built from pieces; a bucket's row length
+becomes the largest per-rank sum of owned elements in it, so the plan should balance each
+bucket's rows too (elements) while balancing the optimizer's work (cost) overall, or the
+reduce-scatter carries padding. The segment of an owned tensor is the whole (virtual) tensor in
+its own shape (a view of the fp32 parameter, or a master), so Muon sees a matrix; presence and
+the absent-expert rule are unchanged (grad None on the owner).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
+
+__all__ = ["elementwise_cost", "newton_schulz_cost", "plan_owners", "loads", "balance"]
+
+MUON_NS_STEPS = 5  # torch.optim.Muon's default ns_steps
+
+
+def elementwise_cost(shape: Sequence[int]) -> float:
+    """An elementwise optimizer's work: the number of elements."""
+    return float(math.prod(shape))
+
+
+def newton_schulz_cost(shape: Sequence[int], ns_steps: int = MUON_NS_STEPS) -> float:
+    """Muon's work on a matrix of ``shape`` (flops of the Newton-Schulz iteration plus the
+    elementwise momentum); a tensor that is not 2-D costs its elements."""
+    if len(shape) != 2:
+        return elementwise_cost(shape)
+    m, n = sorted(int(d) for d in shape)
+    return float(ns_steps * (4 * m * m * n + 2 * m ** 3) + 4 * m * n)
+
+
+def plan_owners(costs: Sequence[float], world: int) -> list[int]:
+    """The owning group rank of each item ([Note: ownership plan])."""
+    if world < 1:
+        raise ValueError(f"plan_owners: world={world}; expected a group size of at least 1")
+    if any(not math.isfinite(c) or c < 0 for c in costs):
+        raise ValueError(f"plan_owners: costs must be finite and >= 0, got {list(costs)[:8]}")
+    owners = [0] * len(costs)
+    heap = [(0.0, r) for r in range(world)]  # (load, rank): least load, then lowest rank
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[i] = rank
+        heapq.heappush(heap, (load + float(costs[i]), rank))
+    return owners
+
+
+def loads(costs: Sequence[float], owners: Sequence[int], world: int) -> list[float]:
+    """Total cost per rank."""
+    out = [0.0] * world
+    for c, r in zip(costs, owners):
+        out[r] += float(c)
+    return out
+
+
+def balance(costs: Sequence[float], owners: Sequence[int], world: int) -> float:
+    """max / mean load per rank (1.0 is perfect; the figure the benchmarks report)."""
+    per_rank = loads(costs, owners, world)
+    mean = sum(per_rank) / world
+    return max(per_rank) / mean if mean > 0 else 1.0
