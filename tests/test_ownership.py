@@ -10,7 +10,7 @@ import random
 import pytest
 
 from selzero_plugin.core.ownership import (balance, elementwise_cost, loads, newton_schulz_cost,
-                                           plan_owners)
+                                           plan_owners, plan_rows)
 
 
 def _expert_model(experts: int = 64) -> list[tuple[int, int]]:
@@ -63,3 +63,31 @@ def test_refusals():
     with pytest.raises(ValueError, match="finite"):
         plan_owners([float("nan")], 2)
     assert plan_owners([], 3) == []
+
+
+def test_rows_hold_each_tensor_once_in_its_owner_row():
+    numels = [6, 5, 4, 3, 2]
+    owners = plan_owners([float(n) for n in numels], 2)
+    (bucket,) = plan_rows([[0, 1, 2, 3, 4]], numels, owners, 2)
+    assert sorted(s.virtual for s in bucket.slots) == [0, 1, 2, 3, 4]
+    for r in range(2):
+        mine = sorted((s.row_offset, s.numel) for s in bucket.slots if s.owner == r)
+        offset = 0
+        for start, n in mine:  # packed, no overlap
+            assert start == offset
+            offset += n
+        assert offset <= bucket.row_numel
+    assert bucket.row_numel == max(loads(numels, owners, 2))
+    assert bucket.padding(2) == (2 * bucket.row_numel - 20) / 20
+
+
+def test_padding_of_the_issue_model_in_buckets_of_twelve_tensors():
+    shapes = _expert_model()
+    numels = [a * b for a, b in shapes]
+    owners = plan_owners([newton_schulz_cost(s) for s in shapes], 3)
+    buckets = [list(range(i, min(i + 12, len(shapes)))) for i in range(0, len(shapes), 12)]
+    rows = plan_rows(buckets, numels, owners, 3)
+    total_real = sum(numels)
+    total_buffer = sum(3 * b.row_numel for b in rows)
+    # the global plan does not balance each bucket's rows: the reduce-scatter carries padding
+    assert 0.10 < total_buffer / total_real - 1.0 < 0.20  # 15% measured ([Note: ...layout])
