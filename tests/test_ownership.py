@@ -10,7 +10,7 @@ import random
 import pytest
 
 from selzero_plugin.core.ownership import (balance, elementwise_cost, loads, newton_schulz_cost,
-                                           plan_owners, plan_rows)
+                                           plan_owners, plan_owners_by_bucket, plan_rows)
 
 
 def _expert_model(experts: int = 64) -> list[tuple[int, int]]:
@@ -91,3 +91,20 @@ def test_padding_of_the_issue_model_in_buckets_of_twelve_tensors():
     total_buffer = sum(3 * b.row_numel for b in rows)
     # the global plan does not balance each bucket's rows: the reduce-scatter carries padding
     assert 0.10 < total_buffer / total_real - 1.0 < 0.20  # 15% measured ([Note: ...layout])
+
+
+@pytest.mark.parametrize("per_bucket,floor", [(3, 0.171), (12, 0.05), (48, 0.015)])
+def test_planning_per_bucket_cuts_the_padding_and_keeps_the_balance(per_bucket, floor):
+    shapes = _expert_model()
+    numels = [a * b for a, b in shapes]
+    costs = [newton_schulz_cost(s) for s in shapes]
+    buckets = [list(range(i, min(i + per_bucket, len(shapes))))
+               for i in range(0, len(shapes), per_bucket)]
+    owners = plan_owners_by_bucket(buckets, costs, numels, 3)
+    assert owners == plan_owners_by_bucket(buckets, list(costs), list(numels), 3)
+    rows = plan_rows(buckets, numels, owners, 3)
+    padding = sum(3 * b.row_numel for b in rows) / sum(numels) - 1.0
+    assert padding <= floor + 1e-3, padding
+    assert balance(costs, owners, 3) < 1.01
+    global_rows = plan_rows(buckets, numels, plan_owners(costs, 3), 3)
+    assert padding < sum(3 * b.row_numel for b in global_rows) / sum(numels) - 1.0

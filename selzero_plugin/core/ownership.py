@@ -26,8 +26,10 @@ its own shape (a view of the fp32 parameter, or a master), so Muon sees a matrix
 the absent-expert rule are unchanged (grad None on the owner).
 Measured with the global plan on the issue's model (64 experts x 3 matrices, N = 3, Muon cost):
 buckets of 3, 6, 12 and 48 tensors carry 61%, 38%, 15% and 3% padding in their buffers
-(``TensorBucket.padding``), so the engine should balance each bucket's rows as well, e.g. LPT
-within each bucket on elements with the global cost load as the tie-breaker.
+(``TensorBucket.padding``). ``plan_owners_by_bucket`` (largest first within each bucket, by
+elements, to the rank whose row is shortest, ties to the least optimizer load so far) keeps the
+cost balance (1.004) and cuts the padding to 17%, 17%, 4% and 1% (17% is the floor with three
+tensors of 64Ki, 64Ki and 36Ki elements on three rows): the engine should use that one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["elementwise_cost", "newton_schulz_cost", "plan_owners", "loads", "balance",
-           "OwnedSlot", "TensorBucket", "plan_rows"]
+           "OwnedSlot", "TensorBucket", "plan_rows", "plan_owners_by_bucket"]
 
 MUON_NS_STEPS = 5  # torch.optim.Muon's default ns_steps
 
@@ -126,3 +128,23 @@ def plan_rows(buckets: Sequence[Sequence[int]], numels: Sequence[int], owners: S
             fill[r] += int(numels[v])
         out.append(TensorBucket(b, tuple(slots), max(fill, default=0)))
     return tuple(out)
+
+
+def plan_owners_by_bucket(buckets: Sequence[Sequence[int]], costs: Sequence[float],
+                          numels: Sequence[int], world: int) -> list[int]:
+    """Owners planned bucket by bucket ([Note: whole-tensor layout]): within a bucket, largest
+    tensor first (elements, then cost, then index), to the rank with the shortest row so far,
+    ties to the rank with the least optimizer cost so far, then the lowest rank. Balances each
+    bucket's rows (the reduce-scatter's padding) and, through the tie-break, the work."""
+    if world < 1:
+        raise ValueError(f"plan_owners_by_bucket: world={world}; expected at least 1")
+    owners = [0] * len(costs)
+    work = [0.0] * world
+    for members in buckets:
+        fill = [0] * world
+        for v in sorted(members, key=lambda v: (-int(numels[v]), -float(costs[v]), v)):
+            r = min(range(world), key=lambda r: (fill[r], work[r], r))
+            owners[v] = r
+            fill[r] += int(numels[v])
+            work[r] += float(costs[v])
+    return owners
