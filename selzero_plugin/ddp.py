@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .errors import UsageError
-from .core.zero2 import SelectedZero2
+from .core.zero2 import SelectedZero2, owning_instance
 
 __all__ = ["wrap_ddp", "SelZeroDDP"]
 
@@ -52,9 +52,7 @@ def wrap_ddp(model: nn.Module, sz: SelectedZero2 | Sequence[SelectedZero2],
     owned = {id(e.param) for i in instances for e in i.entries}
     ignored = [n for i in instances for e in i.entries for n in e.names]
     for name, p in model.named_parameters(remove_duplicate=False):
-        owner = getattr(p, "_selzero_owner", None)
-        live = owner() if owner is not None else None
-        if live is not None and live.window.installed and id(p) not in owned:
+        if id(p) not in owned and owning_instance(p) is not None:
             ignored.append(name)  # another instance's: never DDP's
     ignored_set = set(ignored)
     host = [n for n, p in model.named_parameters() if p.requires_grad and n not in ignored_set]

@@ -50,7 +50,7 @@ from .core.report import StepResult
 from .core.optim import stepped_state
 from .core.selection import resolve_selection
 from .core.window import WindowState
-from .core.zero2 import SelectedZero2
+from .core.zero2 import SelectedZero2, owning_instance
 from .errors import CheckpointError, ConfigError, SelectionError, SelZeroError, UsageError
 from .groups import expert_data_parallel_groups
 
@@ -280,11 +280,11 @@ def _refuse_misuse(model: nn.Module, entries: list[Any], client: Any) -> None:
     selected = {id(e.param) for e in entries}
     others: dict[str, list[str]] = {}
     for name, p in model.named_parameters():
-        owner = getattr(p, "_selzero_owner", None)
-        live = owner() if owner is not None else None
-        if live is not None and live.window.installed and id(p) not in selected:
+        live = owning_instance(p) if id(p) not in selected else None
+        if live is not None:
             others.setdefault(live.config.name, []).append(name)
-    for instance, names in others.items():
+    if others:
+        instance, names = next(iter(others.items()))
         raise UsageError(
             f"{len(names)} parameter(s) of the model belong to a SelectedZero2 built before "
             f"deepspeed.initialize (name {instance!r}): {names[:5]}. DeepSpeed would take "

@@ -111,6 +111,9 @@ class BucketCollectives:
         # a gloo host blocks in wait(): inside backward it waits with patience (see the Note)
         self.patience_s = PATIENCE_S if comm.emulate else None
         self.unbounded = False  # this micro-step gave up bounding its buffers
+        n = len(layout.buckets)  # labels of CollectiveError messages, made once
+        self.labels = {kind: [f"{kind} bucket {b} of {n}" for b in range(n)]
+                       for kind in ("gradient", "parameter")}
 
     # ---- reduce-scatter --------------------------------------------------------------------
 
@@ -191,7 +194,7 @@ class BucketCollectives:
             buffer.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
         self.filled[b] = set()
-        self.comm.what = f"gradient bucket {b} of {len(self.layout.buckets)}"
+        self.comm.what = self.labels["gradient"][b]
         try:
             self.pending.append((b, self.comm.reduce_scatter_rows(buffer), buffer))
         finally:
@@ -263,7 +266,7 @@ class BucketCollectives:
         rows = gathered.view(self.comm.size, spec.row_numel)
         self.storage.pack_row(b, rows[self.comm.rank],
                               persistent=self.pool.persistent(gathered))
-        self.comm.what = f"parameter bucket {b} of {len(self.layout.buckets)}"
+        self.comm.what = self.labels["parameter"][b]
         try:
             work = self.comm.all_gather_rows_(gathered)
         finally:

@@ -43,7 +43,8 @@ from .units import Units, resolve_units
 from .view import Chunk, ShardView
 from .window import ReductionWindow, WindowState
 
-__all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io"]
+__all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io",
+           "owning_instance"]
 
 
 class CheckpointIO(Protocol):
@@ -123,11 +124,11 @@ class SelectedZero2:
         entries = resolve_selection(self.model, params=list(config.params),
                                     modules=list(config.modules), expert_dim=config.expert_dim)
         for e in entries:
-            owner = getattr(e.param, "_selzero_owner", None)
-            if owner is not None and owner() is not None and owner().window.installed:
+            owner = owning_instance(e.param)
+            if owner is not None:
                 raise UsageError(
                     f"parameter {e.name!r} already belongs to another SelectedZero2 (name "
-                    f"{owner().config.name!r}), whose hooks would take its gradients. Call "
+                    f"{owner.config.name!r}), whose hooks would take its gradients. Call "
                     "old.remove_hooks() before building a new instance on the same parameters.")
         trainable = [e for e in entries if not e.frozen]
         _take_stale_grads(trainable)
@@ -156,13 +157,12 @@ class SelectedZero2:
                                  "optimizer_kwargs and config.param_groups must be empty.")
             cls = type(optimizer)
             check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
-            held = [e.name for e in trainable if stepped_state(optimizer.state.get(e.param))]
+            held = [e for e in trainable if stepped_state(optimizer.state.get(e.param))]
             if held:
-                keys = sorted(optimizer.state[trainable[[e.name for e in trainable].index(
-                    held[0])].param])
                 raise UsageError(
-                    f"the host optimizer ({cls.__name__}) holds state ({keys}) for {len(held)} "
-                    f"selected parameter(s): {held[:5]}. selzero keeps the subset's optimizer "
+                    f"the host optimizer ({cls.__name__}) holds state "
+                    f"({sorted(optimizer.state[held[0].param])}) for {len(held)} selected "
+                    f"parameter(s): {[e.name for e in held[:5]]}. selzero keeps the subset's optimizer "
                     "state itself, sharded; the host's copy would never be read or updated again "
                     "and holds full-size memory. Build SelectedZero2 before the host's first "
                     "step, or drop that state first (host.state.pop(p) for each selected "
@@ -411,15 +411,15 @@ class SelectedZero2:
         them and the parameters set to their cast, so no rounding is lost. With ``broadcast``
         (a collective of the group) the values are first broadcast from group rank 0.
         """
-        if broadcast:  # a collective: a rank that cannot follow must not leave the others
-            error: SelZeroError | None = None
-            try:
-                self._check_dtypes()
-            except SelZeroError as e:
-                error = e
-            agree_on_local_errors(self.comm, error, what="sync_from_params(broadcast=True)")
-        else:
+        error: SelZeroError | None = None
+        try:
             self._check_dtypes()
+        except SelZeroError as e:
+            if not broadcast:
+                raise
+            error = e
+        if broadcast:  # a collective: a rank that cannot follow must not leave the others
+            agree_on_local_errors(self.comm, error, what="sync_from_params(broadcast=True)")
         self.storage.rebind()
         if values is None:
             self.storage.load_masters()
@@ -563,6 +563,13 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def owning_instance(param: torch.Tensor) -> "SelectedZero2 | None":
+    """The live SelectedZero2 whose hooks take ``param``'s gradients, or None."""
+    owner = getattr(param, "_selzero_owner", None)
+    live = owner() if owner is not None else None
+    return live if live is not None and live.window.installed else None
 
 
 def _take_stale_grads(trainable: list[SelectedEntry]) -> None:

@@ -48,22 +48,11 @@ from torch import nn  # noqa: E402
 from selzero_plugin import ContractError, SelectedZero2, clip_grad_norm_  # noqa: E402
 from selzero_plugin.checkpoint.host import load_from, save_into  # noqa: E402
 from selzero_plugin.groups import expert_data_parallel  # noqa: E402
-from selzero_plugin.moe import ExpertParallelMoE  # noqa: E402
+from tests.test_expert_parallel import DIM, EXPERTS, EPModel as Net  # noqa: E402
 
-DIM, HIDDEN, EXPERTS, TOKENS, LOGICAL, CLIP, LR, WD = 6, 11, 8, 10, 4, 0.3, 1e-2, 0.1
+TOKENS, LOGICAL, CLIP, LR, WD = 10, 4, 0.3, 1e-2, 0.1
 DEAD = EXPERTS - 1  # never routed anywhere
 HOST = ("inp.", "moe.router.")
-
-
-class Net(nn.Module):
-    def __init__(self, ep_group=None) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.moe = ExpertParallelMoE(DIM, HIDDEN, EXPERTS, ep_group)
-        self.out = nn.Linear(DIM, 3)
-
-    def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
-        return self.out(self.moe(torch.tanh(self.inp(x)), routes))
 
 
 def data_rank() -> int:
