@@ -178,3 +178,24 @@ def test_fused_experts_are_split_under_a_submodule_named_like_a_module_method():
     entries = resolve_selection(model, params=["*"], modules=[], expert_dim=0)
     assert [(e.name, e.num_experts) for e in entries] == [("weight", None),
                                                            ("half.experts.weight", 3)]
+
+
+def test_a_submodule_named_like_a_module_method_trains():
+    """The binding check at the reduction point must not take ``Module.half`` for the child
+    ``model.half`` either (review finding: every step was refused as "no longer the model's
+    parameter objects")."""
+    from selzero_plugin import SelectedZero2
+
+    from ._memory import FusedExperts
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.half = inner = torch.nn.Module()
+    inner.experts = FusedExperts(3, torch.float32)
+    model.weight = torch.nn.Parameter(torch.zeros(3, 2))
+    sz = SelectedZero2(model, {"params": ["*"], "expert_dim": 0}, torch.optim.SGD, {"lr": 0.1})
+    w = inner.experts.weight
+    before = w.detach().clone()
+    ((w * torch.randn_like(w)).sum() + model.weight.sum()).backward()
+    assert sz.step().updated == 4
+    assert not torch.equal(before, w)

@@ -77,7 +77,7 @@ class Bindings:
             p = e.param
             owner = getattr(p, "_selzero_owner", None)
             module = _submodule(modules, b.prefix)
-            if module is None or getattr(module, b.attr, None) is not p or (
+            if module is None or not _holds(module, b.attr, p) or (
                     owner is not None and owner() is not self.owner) or (
                     self.owner is not None and owner is None):
                 flags[KINDS * t + REPLACED] = 1
@@ -92,16 +92,33 @@ class Bindings:
         return flags
 
 
+def _attribute(module: nn.Module, registry: dict[str, Any], name: str) -> Any:
+    """``name`` of ``module``: the registered child first (``getattr`` finds a method first
+    when a child is named like one, ``model.half = nn.Linear(...)``: review finding, as
+    selection.py's ``_owner_chain`` says), else ``getattr`` (wrappers that forward attribute
+    access: an activation-checkpoint wrapper, ``torch.compile``'s module). A ``__getattr__``
+    that raises counts as not found: the flag is agreed, never raised on one rank alone."""
+    found = registry.get(name)
+    if found is not None:
+        return found
+    try:
+        return getattr(module, name, None)
+    except Exception:  # noqa: BLE001 - any user __getattr__
+        return None
+
+
+def _holds(module: nn.Module, attr: str, p: torch.Tensor) -> bool:
+    return _attribute(module, module._parameters, attr) is p
+
+
 def _submodule(found: dict[str, nn.Module | None], prefix: str) -> nn.Module | None:
-    """The module at ``prefix``, resolved level by level with ``getattr`` as ``get_submodule``
-    does (so wrappers that forward attribute access, an activation-checkpoint wrapper or
-    ``torch.compile``'s module, are followed), memoized per prefix (``get_submodule`` per
-    parameter took most of a reduction point's time on a model of thousands of experts); None
-    where the path no longer leads to a module."""
+    """The module at ``prefix``, resolved level by level (``_attribute``), memoized per prefix
+    (``get_submodule`` per parameter took most of a reduction point's time on a model of
+    thousands of experts); None where the path no longer leads to a module."""
     if prefix in found:
         return found[prefix]
     parent_prefix, _, name = prefix.rpartition(".")
     parent = _submodule(found, parent_prefix)
-    module = getattr(parent, name, None) if parent is not None else None
+    module = _attribute(parent, parent._modules, name) if parent is not None else None
     found[prefix] = module if isinstance(module, nn.Module) else None
     return found[prefix]
