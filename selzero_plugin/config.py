@@ -18,12 +18,14 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["SelZeroConfig", "REDUCTIONS", "NORMALIZE_OVER", "MISSING_GRAD", "NONFINITE"]
+__all__ = ["SelZeroConfig", "REDUCTIONS", "NORMALIZE_OVER", "MISSING_GRAD", "NONFINITE",
+           "PARTITIONS"]
 
 REDUCTIONS = ("mean", "weighted", "sum")
 NORMALIZE_OVER = ("group", "world")
 MISSING_GRAD = ("zero", "error", "skip")
 NONFINITE = ("error", "skip")
+PARTITIONS = ("chunks", "tensors")
 ENV_PREFIX = "SELZERO_"
 ENV_CONFIG_FILE = "SELZERO_CONFIG"
 
@@ -51,9 +53,21 @@ class SelZeroConfig:
     bucket_mb: float = 25.0
     """Size of a communication bucket in MiB of FP32 gradient."""
     param_groups: list[dict[str, Any]] = field(default_factory=list)
-    """Hyperparameter overrides: ``[{"params": ["*.bias"], "weight_decay": 0.0}]``; first match wins."""
+    """Hyperparameter overrides: ``[{"params": ["*.bias"], "weight_decay": 0.0}]``; first match
+    wins. A group may name its own optimizer class (``"optimizer": "torch.optim.AdamW"``): its
+    parameters then run that optimizer with the group's hyperparameters alone (the class's
+    defaults for the rest), e.g. AdamW for biases and norms beside Muon for the matrices."""
+    partition: str = "chunks"
+    """How the subset is split over the group. ``chunks``: every (virtual) parameter in N equal
+    flat chunks (elementwise optimizers only). ``tensors``: each group rank owns whole (virtual)
+    parameters, planned so that the optimizer's work per rank is balanced; admits matrix-wise
+    optimizers (``torch.optim.Muon``, ``torch.optim.Adafactor``, ``extra_matrix_optimizers``)."""
     extra_elementwise_optimizers: list[str] = field(default_factory=list)
     """Qualified class names (``"lion_pytorch.Lion"``) admitted as elementwise optimizers."""
+    extra_matrix_optimizers: list[str] = field(default_factory=list)
+    """Qualified class names admitted, under ``partition="tensors"``, as optimizers that need
+    whole tensors (a third-party Muon or Shampoo); each owner runs it on whole (virtual)
+    parameters."""
     timeout_s: float = 600.0
     """Timeout of selzero's own communicator."""
     name: str = "selected_zero2"
@@ -72,6 +86,8 @@ class SelZeroConfig:
         _check_str_list("params", self.params)
         _check_str_list("modules", self.modules)
         _check_str_list("extra_elementwise_optimizers", self.extra_elementwise_optimizers)
+        _check_str_list("extra_matrix_optimizers", self.extra_matrix_optimizers)
+        _check_choice("partition", self.partition, PARTITIONS)
         _check_str_list("launch_modules", self.launch_modules)
         _check_choice("reduction", self.reduction, REDUCTIONS)
         object.__setattr__(self, "normalize_over", _normalize_over(self.normalize_over))
@@ -207,6 +223,9 @@ def _check_param_groups(groups: Any) -> None:
         _check_str_list(f"param_groups[{i}].params", g["params"])
         for pattern in g["params"]:
             _check_pattern(pattern)
+        if "optimizer" in g and (not isinstance(g["optimizer"], str) or not g["optimizer"]):
+            raise ConfigError(f"param_groups[{i}].optimizer={g['optimizer']!r}: expected the "
+                              "optimizer's class name, e.g. 'torch.optim.AdamW' or 'AdamW'.")
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -231,7 +250,7 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _parse_env_value(var: str, name: str, raw: str) -> Any:
     if name in ("params", "modules", "param_groups", "extra_elementwise_optimizers",
-                "launch_modules") or (name == "normalize_over" and raw.lstrip().startswith("[")):
+                "extra_matrix_optimizers", "launch_modules") or (name == "normalize_over" and raw.lstrip().startswith("[")):
         try:
             return json.loads(raw)
         except json.JSONDecodeError:

@@ -26,6 +26,16 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "SGD": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
     "AdamW-amsgrad": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
     "AdamW-other-lr": (torch.optim.AdamW, {"lr": 0.5, "weight_decay": 0.0}),
+    # whole-tensor ownership (partition="tensors"); 1-D tensors go to a group of their own
+    "Muon": (torch.optim.Muon, {"lr": 0.02, "weight_decay": 0.1}),
+    "Adafactor": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.01}),
+    "AdamW-tensors": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+}
+TENSORS: dict[str, dict[str, Any]] = {
+    "Muon": {"partition": "tensors", "param_groups": [
+        {"params": ["*bias*", "*gain*"], "optimizer": "torch.optim.AdamW", "lr": 1e-2}]},
+    "Adafactor": {"partition": "tensors"},
+    "AdamW-tensors": {"partition": "tensors"},
 }
 E = 4  # experts in every test model
 
@@ -110,7 +120,8 @@ def make(kind: str, opt: str, *, seed: int, dtype: torch.dtype = torch.float32,
          config_overrides: dict[str, Any] | None = None) -> tuple[nn.Module, SelectedZero2]:
     model = build(kind, seed=seed, dtype=dtype, **(model_kwargs or {}))
     cls, kwargs = OPTIMIZERS[opt]
-    return model, SelectedZero2(model, config(kind, **(config_overrides or {})), cls, dict(kwargs))
+    overrides = {**TENSORS.get(opt, {}), **(config_overrides or {})}
+    return model, SelectedZero2(model, config(kind, **overrides), cls, dict(kwargs))
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@ def test_defaults_are_the_documented_ones():
     assert dataclasses.asdict(c) == {
         "params": ["*.experts.*"], "modules": [], "reduction": "mean", "normalize_over": "group",
         "missing_grad": "zero", "nonfinite": "error", "expert_dim": None, "bucket_mb": 25.0,
-        "param_groups": [], "extra_elementwise_optimizers": [], "timeout_s": 600.0,
+        "param_groups": [], "partition": "chunks", "extra_elementwise_optimizers": [],
+        "extra_matrix_optimizers": [], "timeout_s": 600.0,
         "name": "selected_zero2", "broadcast": True,
         "overlap": True, "launch_modules": []}
 

@@ -1,6 +1,7 @@
-"""The whole-tensor ownership plan (core/ownership.py, issue 12's first part): deterministic,
-within LPT's 4/3 bound of the optimum, and balanced on the issue's model (64 experts x 3
-matrices of three shapes at N = 3)."""
+"""The whole-tensor ownership plan (core/ownership.py) and its layout (core/layout.py, uneven
+rows): deterministic, within LPT's 4/3 bound of the optimum, balanced on the issue's model (64
+experts x 3 matrices of three shapes at N = 3), experts of a fused tensor in contiguous blocks,
+and every element of a bucket in exactly one owner's row with no padding."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 
 import pytest
 
-from selzero_plugin.core.ownership import (balance, elementwise_cost, loads, newton_schulz_cost,
-                                           plan_owners, plan_owners_by_bucket, plan_rows)
+from selzero_plugin.core.layout import EntrySpec, plan_layout
+from selzero_plugin.core.ownership import (balance, contiguous_runs, elementwise_cost, is_muon_like,
+                                           loads, newton_schulz_cost, optimizer_cost, plan_owners)
 
 
 def _expert_model(experts: int = 64) -> list[tuple[int, int]]:
@@ -65,46 +67,52 @@ def test_refusals():
     assert plan_owners([], 3) == []
 
 
-def test_rows_hold_each_tensor_once_in_its_owner_row():
-    numels = [6, 5, 4, 3, 2]
-    owners = plan_owners([float(n) for n in numels], 2)
-    (bucket,) = plan_rows([[0, 1, 2, 3, 4]], numels, owners, 2)
-    assert sorted(s.virtual for s in bucket.slots) == [0, 1, 2, 3, 4]
-    for r in range(2):
-        mine = sorted((s.row_offset, s.numel) for s in bucket.slots if s.owner == r)
-        offset = 0
-        for start, n in mine:  # packed, no overlap
-            assert start == offset
-            offset += n
-        assert offset <= bucket.row_numel
-    assert bucket.row_numel == max(loads(numels, owners, 2))
-    assert bucket.padding(2) == (2 * bucket.row_numel - 20) / 20
+def test_the_cost_model_follows_the_class_name():
+    assert is_muon_like("torch.optim._muon.Muon") and is_muon_like("muon.MuonWithAuxAdam")
+    assert not is_muon_like("torch.optim.adamw.AdamW") and not is_muon_like("mu.on.Adafactor")
+    assert optimizer_cost("torch.optim.Muon", {"ns_steps": 3}, (64, 16)) == \
+        newton_schulz_cost((64, 16), 3)
+    assert optimizer_cost("torch.optim.AdamW", {}, (64, 16)) == 1024
 
 
-def test_padding_of_the_issue_model_in_buckets_of_twelve_tensors():
-    shapes = _expert_model()
-    numels = [a * b for a, b in shapes]
-    owners = plan_owners([newton_schulz_cost(s) for s in shapes], 3)
-    buckets = [list(range(i, min(i + 12, len(shapes)))) for i in range(0, len(shapes), 12)]
-    rows = plan_rows(buckets, numels, owners, 3)
-    total_real = sum(numels)
-    total_buffer = sum(3 * b.row_numel for b in rows)
-    # the global plan does not balance each bucket's rows: the reduce-scatter carries padding
-    assert 0.10 < total_buffer / total_real - 1.0 < 0.20  # 15% measured ([Note: ...layout])
+def test_contiguous_runs_keep_every_rank_load_and_make_blocks():
+    costs = [4.0] * 8 + [3.0, 2.0]
+    owners = plan_owners(costs, 3)
+    runs = [list(range(8))]
+    blocks = contiguous_runs(owners, runs)
+    assert sorted(blocks[:8]) == sorted(owners[:8]) and blocks[8:] == owners[8:]
+    assert loads(costs, blocks, 3) == loads(costs, owners, 3)
+    assert blocks[:8] == sorted(blocks[:8])  # each rank's experts one block
 
 
-@pytest.mark.parametrize("per_bucket,floor", [(3, 0.171), (12, 0.05), (48, 0.015)])
-def test_planning_per_bucket_cuts_the_padding_and_keeps_the_balance(per_bucket, floor):
-    shapes = _expert_model()
-    numels = [a * b for a, b in shapes]
-    costs = [newton_schulz_cost(s) for s in shapes]
-    buckets = [list(range(i, min(i + per_bucket, len(shapes))))
-               for i in range(0, len(shapes), per_bucket)]
-    owners = plan_owners_by_bucket(buckets, costs, numels, 3)
-    assert owners == plan_owners_by_bucket(buckets, list(costs), list(numels), 3)
-    rows = plan_rows(buckets, numels, owners, 3)
-    padding = sum(3 * b.row_numel for b in rows) / sum(numels) - 1.0
-    assert padding <= floor + 1e-3, padding
-    assert balance(costs, owners, 3) < 1.01
-    global_rows = plan_rows(buckets, numels, plan_owners(costs, 3), 3)
-    assert padding < sum(3 * b.row_numel for b in global_rows) / sum(numels) - 1.0
+def _check_uneven_layout(entries, owners, world):
+    layout = plan_layout(entries, world, 1 << 30, owners=owners)
+    for bucket in layout.buckets:
+        seen = []
+        for t in bucket.entries:
+            for p in layout.entry_pieces[t]:
+                start = bucket.row_start(p.owner, world)
+                assert start <= p.buffer_offset < start + bucket.row_numels[p.owner]
+                seen += list(range(p.buffer_offset, p.buffer_offset + p.numel))
+        assert sorted(seen) == list(range(bucket.buffer_numel(world)))  # no gap, no overlap
+    for r in range(world):
+        assert sum(s.numel for s in layout.shard_slots(r)) == sum(
+            v.numel for v in layout.virtuals if v.owner == r)
+    return layout
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_uneven_rows_hold_every_element_once_without_padding(world):
+    rng = random.Random(world)
+    entries = [EntrySpec(rng.randint(1, 40) * 6, "torch.float32", rng.choice([1, 1, 2, 3]))
+               for _ in range(12)]
+    costs = [float(e.numel // e.num_experts) for e in entries for _ in range(e.num_experts)]
+    owners = plan_owners(costs, world)
+    layout = _check_uneven_layout(entries, owners, world)
+    assert layout.owned and all(v.owner == o for v, o in zip(layout.virtuals, owners))
+
+
+def test_a_rank_may_own_nothing_in_a_bucket():
+    layout = _check_uneven_layout([EntrySpec(10, "torch.float32")], [1], 3)
+    assert layout.buckets[0].row_numels == (0, 10, 0)
+    assert layout.shard_slots(0) == () and layout.shard_slots(1)[0].numel == 10

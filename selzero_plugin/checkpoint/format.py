@@ -23,6 +23,16 @@ value (they do not change). A virtual parameter the optimizer never stepped (an 
 never got a token) has a value and no state (``"stateful": false`` in the manifest), exactly as
 in the live optimizer.
 
+Under whole-tensor ownership (``partition="tensors"``, format version 2) a virtual parameter is
+not chunked: its owner's shard holds it whole, ``{key}/value`` in the virtual parameter's shape
+and every state tensor in its own shape (Adafactor's ``row_var`` is ``(rows, 1)``). The manifest
+records ``"partition": "tensors"``, each virtual parameter's ``owner`` (the plan, [Note:
+ownership plan] in core/ownership.py) and, for a stepped one, its ``state``: each key's dtype and
+shape; each optimizer group records its class. A reshard to another group size re-plans the
+owners with the plan function; a load reads each of its tensors from the shard of the rank
+that owned it when saved (the same rank unless the plan changed, e.g. ``bucket_mb`` did not
+matter but the optimizer's ``ns_steps`` did), so a changed plan never refuses a load.
+
 Loading checks, in this order and on every rank (DESIGN.md section 2): manifest present and
 readable, format version, group size, contract (names, aliases, shapes, dtypes, frozen flags,
 expert split), optimizer class and state keys, then this rank's shard (present, byte size,
@@ -49,24 +59,29 @@ from torch import nn
 
 from ..core.layout import ceil_div
 from ..core.optim import GroupPlan, build_optimizer, qualified_name
+from ..core.ownership import contiguous_runs, optimizer_cost, plan_owners
 from ..core.view import ShardView
 from ..errors import CheckpointError
 from .atomic import MANIFEST_NAME, fsync_file, is_staging, leftover_stagings, previous_folder
 from .safetensors_io import (DTYPE_CODES, TensorPlan, dtype_from_name, dtype_name, read_header,
                              sha256_file)
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "CHUNKING",
+__all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "TENSOR", "CHUNKING",
+           "OWNERSHIP", "piece_range", "state_specs", "tensor_shape", "replan",
            "shard_file_name", "virtual_key", "tensor_key", "chunk_range", "StateSpec",
            "VirtualRecord", "Manifest", "read_manifest", "write_manifest", "resolve_folder",
            "shard_plan", "consolidated_plan", "whats", "check_shard", "RunSchema", "describe_run",
            "entry_record", "probe_state", "check_against_run"]
 
 FORMAT = "selzero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # partition="chunks"; whole-tensor ownership writes version 2
+READABLE_VERSIONS = (1, 2)
 VALUE = "value"
-ELEMENTWISE, SCALAR = "elementwise", "scalar"
+ELEMENTWISE, SCALAR, TENSOR = "elementwise", "scalar", "tensor"
 CHUNKING = ("flat; chunk = ceil(numel / group_size); group rank r holds elements "
             "[r * chunk, min((r + 1) * chunk, numel)); padding is not saved")
+OWNERSHIP = ("whole tensors; each virtual parameter lies, in its own shape, in the shard of its "
+             "owner (virtuals[i].owner), its state tensors in their own shapes")
 
 
 def shard_file_name(rank: int, world: int) -> str:
@@ -93,13 +108,24 @@ def chunk_range(numel: int, world: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One optimizer state key: per element (``elementwise``) or one value (``scalar``)."""
+    """One optimizer state key: per element (``elementwise``), one value (``scalar``), or under
+    whole-tensor ownership any other shape (``tensor``, with ``shape``)."""
 
     kind: str
     dtype: torch.dtype
+    shape: tuple[int, ...] | None = None  # whole-tensor ownership: the tensor's shape
 
-    def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "dtype": dtype_name(self.dtype)}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "dtype": dtype_name(self.dtype)}
+        if self.shape is not None:
+            out["shape"] = list(self.shape)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "StateSpec":
+        shape = raw.get("shape")
+        return cls(str(raw["kind"]), dtype_from_name(raw["dtype"]),
+                   None if shape is None else tuple(int(d) for d in shape))
 
 
 @dataclass(frozen=True)
@@ -113,10 +139,18 @@ class VirtualRecord:
     shape: tuple[int, ...]
     group: int  # optimizer param group
     stateful: bool
+    owner: int | None = None  # whole-tensor ownership: the group rank whose shard holds it
+    state: dict[str, StateSpec] | None = None  # whole-tensor ownership, when stateful
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "entry": self.entry, "expert": self.expert, "numel": self.numel,
-                "group": self.group, "stateful": self.stateful}
+        out: dict[str, Any] = {"key": self.key, "entry": self.entry, "expert": self.expert,
+                               "numel": self.numel, "group": self.group,
+                               "stateful": self.stateful}
+        if self.owner is not None:
+            out["owner"] = self.owner
+            if self.stateful and self.state is not None:
+                out["state"] = {k: s.to_json() for k, s in sorted(self.state.items())}
+        return out
 
 
 @dataclass(frozen=True)
@@ -138,11 +172,11 @@ class Manifest:
             raise CheckpointError(f"{where}: not a selzero checkpoint manifest (expected "
                                   f"\"format\": \"{FORMAT}\").")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(
-                f"{where}: checkpoint format version {version!r}; this selzero reads version "
-                f"{FORMAT_VERSION}. Load it with the selzero version that wrote it "
-                f"(package_version {raw.get('package_version')!r}).")
+                f"{where}: checkpoint format version {version!r}; this selzero reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Load it with the selzero version "
+                f"that wrote it (package_version {raw.get('package_version')!r}).")
         try:
             return cls._parse(raw)
         except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -154,17 +188,27 @@ class Manifest:
         entries = list(raw["contract"]["entries"])
         shapes = {e["name"]: [int(d) for d in e["shape"]] for e in entries}
         groups = raw["optimizer"]["param_groups"]
-        group_state = [{k: StateSpec(str(s["kind"]), dtype_from_name(s["dtype"]))
-                        for k, s in g["state"].items()} for g in groups]
+        group_state = [{k: StateSpec.from_json(s) for k, s in g["state"].items()} for g in groups]
+        owned = raw.get("partition", "chunks") == "tensors"
+        if owned != (raw.get("format_version") == 2):
+            raise ValueError("partition 'tensors' is format version 2, 'chunks' version 1")
+        size = int(raw["group_size"])
         virtuals = []
         for v in raw["virtuals"]:
             shape = shapes[v["entry"]] if v["expert"] is None else shapes[v["entry"]][1:]
             group = int(v["group"])
             if not 0 <= group < len(groups):
                 raise IndexError(f"virtual {v['key']!r} names optimizer group {group}")
+            owner = state = None
+            if owned:
+                owner = int(v["owner"])
+                if not 0 <= owner < size:
+                    raise IndexError(f"virtual {v['key']!r} names owner {owner} of {size}")
+                if bool(v["stateful"]):
+                    state = {k: StateSpec.from_json(s) for k, s in v["state"].items()}
             virtuals.append(VirtualRecord(str(v["key"]), str(v["entry"]), v["expert"],
                                           int(v["numel"]), tuple(shape), group,
-                                          bool(v["stateful"])))
+                                          bool(v["stateful"]), owner, state))
         return cls(raw, int(raw["group_size"]), entries, virtuals, str(raw["optimizer"]["class"]),
                    group_state, [dict(g["hyperparameters"]) for g in groups],
                    list(raw["shards"]))
@@ -172,6 +216,16 @@ class Manifest:
     @property
     def virtual_by_key(self) -> dict[str, VirtualRecord]:
         return {v.key: v for v in self.virtuals}
+
+    @property
+    def partition(self) -> str:
+        return str(self.raw.get("partition", "chunks"))
+
+    @property
+    def group_classes(self) -> list[str]:
+        """Each optimizer group's class (a group of its own, or the main one)."""
+        main = self.optimizer_class
+        return [str(g.get("class") or main) for g in self.raw["optimizer"]["param_groups"]]
 
     @property
     def expert_parallel(self) -> tuple[int, int] | None:
@@ -183,10 +237,61 @@ class Manifest:
         return next((s for s in self.shards if s.get("rank") == rank), None)
 
     def with_group_size(self, world: int, shards: list[dict[str, Any]]) -> "Manifest":
+        """This manifest for a group of ``world`` ranks (whole-tensor ownership: re-planned)."""
         raw = copy.deepcopy(self.raw)
         raw["group_size"] = world
         raw["shards"] = shards
-        return Manifest.from_json(raw, where="resharded manifest")
+        return Manifest.from_json(replan(raw), where="resharded manifest")
+
+
+def replan(raw: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's JSON with its virtual parameters' owners planned for its group size, as the
+    engine plans them ([Note: ownership plan]); unchanged under ``chunks``."""
+    if raw.get("partition", "chunks") != "tensors":
+        return raw
+    groups = raw["optimizer"]["param_groups"]
+    main = raw["optimizer"]["class"]
+    shapes = {e["name"]: [int(d) for d in e["shape"]] for e in raw["contract"]["entries"]}
+    costs, runs = [], []
+    for i, v in enumerate(raw["virtuals"]):
+        shape = shapes[v["entry"]] if v["expert"] is None else shapes[v["entry"]][1:]
+        group = groups[int(v["group"])]
+        costs.append(optimizer_cost(str(group.get("class") or main), group["hyperparameters"],
+                                    shape))
+        previous = raw["virtuals"][i - 1] if i else None
+        if v["expert"] is not None and previous is not None and \
+                previous["entry"] == v["entry"] and previous["expert"] is not None:
+            runs[-1].append(i)
+        elif v["expert"] is not None:
+            runs.append([i])
+    owners = contiguous_runs(plan_owners(costs, int(raw["group_size"])), runs)
+    for v, owner in zip(raw["virtuals"], owners):
+        v["owner"] = owner
+    return raw
+
+
+def piece_range(manifest: Manifest, v: VirtualRecord, rank: int) -> tuple[int, int]:
+    """(start, length) of ``v``'s elements in group rank ``rank``'s shard."""
+    if v.owner is not None:
+        return (0, v.numel) if rank == v.owner else (0, 0)
+    return chunk_range(v.numel, manifest.group_size, rank)
+
+
+def state_specs(manifest: Manifest, v: VirtualRecord) -> dict[str, StateSpec]:
+    """The state tensors stored for ``v`` (when stateful)."""
+    if v.owner is not None:
+        return v.state or {}
+    return manifest.group_state[v.group]
+
+
+def tensor_shape(v: VirtualRecord, spec: StateSpec) -> tuple[int, ...]:
+    """A stored tensor's full (consolidated) shape."""
+    if spec.kind == SCALAR:
+        return ()
+    if spec.kind == TENSOR:
+        assert spec.shape is not None
+        return spec.shape
+    return v.shape
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -242,24 +347,27 @@ def resolve_folder(folder: Path) -> tuple[Path, list[str]]:
 
 def whats(manifest: Manifest, v: VirtualRecord) -> list[str]:
     """The tensors stored for virtual parameter ``v``, in file order."""
-    return [VALUE] + (sorted(manifest.group_state[v.group]) if v.stateful else [])
+    return [VALUE] + (sorted(state_specs(manifest, v)) if v.stateful else [])
 
 
-def _spec(manifest: Manifest, v: VirtualRecord, what: str) -> StateSpec:
+def spec_of(manifest: Manifest, v: VirtualRecord, what: str) -> StateSpec:
     return StateSpec(ELEMENTWISE, torch.float32) if what == VALUE else \
-        manifest.group_state[v.group][what]
+        state_specs(manifest, v)[what]
 
 
 def shard_plan(manifest: Manifest, rank: int) -> list[tuple[TensorPlan, VirtualRecord, str]]:
     """The tensors of group rank ``rank``'s shard, in file order."""
     plan = []
     for v in manifest.virtuals:
-        _, length = chunk_range(v.numel, manifest.group_size, rank)
+        _, length = piece_range(manifest, v, rank)
         if length == 0:
             continue
         for what in whats(manifest, v):
-            spec = _spec(manifest, v, what)
-            shape = (length,) if spec.kind == ELEMENTWISE else ()
+            spec = spec_of(manifest, v, what)
+            if v.owner is not None:  # whole, in its own shape
+                shape = tensor_shape(v, spec)
+            else:
+                shape = (length,) if spec.kind == ELEMENTWISE else ()
             plan.append((TensorPlan(tensor_key(v.key, what), spec.dtype, shape), v, what))
     return plan
 
@@ -269,9 +377,9 @@ def consolidated_plan(manifest: Manifest) -> list[tuple[TensorPlan, VirtualRecor
     plan = []
     for v in manifest.virtuals:
         for what in whats(manifest, v):
-            spec = _spec(manifest, v, what)
-            shape = v.shape if spec.kind == ELEMENTWISE else ()
-            plan.append((TensorPlan(tensor_key(v.key, what), spec.dtype, shape), v, what))
+            spec = spec_of(manifest, v, what)
+            plan.append((TensorPlan(tensor_key(v.key, what), spec.dtype, tensor_shape(v, spec)),
+                         v, what))
     return plan
 
 
@@ -318,22 +426,41 @@ class RunSchema:
     entries: list[dict[str, Any]]
     virtuals: list[VirtualRecord]  # stateful=False: the live state decides at save time
     optimizer_class: str
-    group_state: list[dict[str, StateSpec]]
+    group_state: list[dict[str, StateSpec]]  # chunks: per group; tensors: empty
+    partition: str = "chunks"
+    group_classes: list[str] | None = None
+    virtual_state: list[dict[str, StateSpec]] | None = None  # tensors: predicted, per virtual
 
 
 def describe_run(view: ShardView) -> RunSchema:
     entries = [entry_record(e) for e in view.entries]
+    owned = view.partition == "tensors"
+    defaults = view.optimizer.defaults
+    classes = list(view.group_classes)
     virtuals = []
+    predicted: list[dict[str, StateSpec]] = []
+    probes: dict[tuple[int, tuple[int, ...]], dict[str, StateSpec]] = {}
     for spec in view.virtuals:
         e = view.trainable[spec.entry]
         shape = tuple(e.param.shape) if spec.expert is None else tuple(e.param.shape[1:])
         expert = spec.expert if spec.expert is None or e.placement is None else \
             e.placement.first + spec.expert  # the global expert ([Note: global expert names])
+        group = view.group_of_entry[spec.entry]
         virtuals.append(VirtualRecord(virtual_key(e.global_name, expert), e.global_name, expert,
-                                      spec.numel, shape, view.group_of_entry[spec.entry], False))
-    state = [probe_state(view.optimizer_class, hyper, view.optimizer.defaults, view.comm.device)
-             for hyper in view.group_hyperparameters]
-    return RunSchema(entries, virtuals, qualified_name(view.optimizer_class), state)
+                                      spec.numel, shape, group, False, spec.owner))
+        if owned:
+            if (group, shape) not in probes:
+                cls = classes[group]
+                probes[group, shape] = probe_state_shaped(
+                    cls, view.group_hyperparameters[group],
+                    defaults if cls is view.optimizer_class else {}, view.comm.device, shape)
+            predicted.append(probes[group, shape])
+    state = [] if owned else [
+        probe_state(cls, hyper, defaults if cls is view.optimizer_class else {}, view.comm.device)
+        for cls, hyper in zip(classes, view.group_hyperparameters)]
+    return RunSchema(entries, virtuals, qualified_name(view.optimizer_class), state,
+                     view.partition, [qualified_name(c) for c in classes],
+                     predicted if owned else None)
 
 
 def entry_record(e: Any) -> dict[str, Any]:
@@ -368,6 +495,42 @@ def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
     return specs
 
 
+_PROXY_DIMS = (2, 3, 5, 7, 11, 13)
+
+
+def probe_state_shaped(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
+                       defaults: dict[str, Any], device: torch.device,
+                       shape: tuple[int, ...]) -> dict[str, StateSpec]:
+    """Whole-tensor ownership: the state one step of ``cls`` creates for a parameter of
+    ``shape``, found on a small parameter of the same rank (dims 2, 3, 5, ...): each state
+    dim either follows the parameter's or is 1 (Adafactor's factored statistics)."""
+    if len(shape) > len(_PROXY_DIMS):
+        raise CheckpointError(f"parameter shape {list(shape)}: more than {len(_PROXY_DIMS)} dims")
+    proxy = _PROXY_DIMS[:len(shape)]
+    dummy = nn.Parameter(torch.zeros(proxy, device=device))
+    optimizer = build_optimizer(cls, [GroupPlan(dict(hyper), [])], [[dummy]], defaults)
+    dummy.grad = torch.zeros_like(dummy)
+    optimizer.step()
+    specs = {}
+    for key, value in optimizer.state[dummy].items():
+        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPE_CODES:
+            raise CheckpointError(f"optimizer {qualified_name(cls)} keeps state {key!r} as "
+                                  f"{type(value).__name__}; selzero checkpoints hold tensors only.")
+        if value.dim() == 0:
+            specs[key] = StateSpec(SCALAR, value.dtype, ())
+        elif tuple(value.shape) == proxy:
+            specs[key] = StateSpec(ELEMENTWISE, value.dtype, tuple(shape))
+        elif value.dim() == len(proxy) and all(d in (p, 1) for d, p in zip(value.shape, proxy)):
+            specs[key] = StateSpec(TENSOR, value.dtype, tuple(
+                s if d == p else 1 for d, p, s in zip(value.shape, proxy, shape)))
+        else:
+            raise CheckpointError(
+                f"optimizer {qualified_name(cls)} keeps state {key!r} of shape "
+                f"{list(value.shape)} for a parameter of shape {list(proxy)}; selzero describes "
+                "state whose dims follow the parameter's or are 1.")
+    return specs
+
+
 def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where: str) -> None:
     """Group size, contract, optimizer class and state keys (the order of DESIGN.md section 2)."""
     if manifest.group_size != group_size:
@@ -380,12 +543,37 @@ def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where
     if saved_keys != {v.key: v.numel for v in run.virtuals}:
         raise CheckpointError(f"{where}: the manifest's virtual parameters do not follow from its "
                               "own contract; the manifest is damaged.")
+    if manifest.partition != run.partition:
+        raise CheckpointError(
+            f"{where} was saved with partition={manifest.partition!r}; this run uses "
+            f"partition={run.partition!r}. Build SelectedZero2 with "
+            f"partition={manifest.partition!r} to resume (the layout of the state differs).")
     if manifest.optimizer_class != run.optimizer_class:
         raise CheckpointError(
             f"{where} holds state of optimizer {manifest.optimizer_class}; this run uses "
             f"{run.optimizer_class}. Build SelectedZero2 with {manifest.optimizer_class} to "
             "resume, or `selzero consolidate` the checkpoint and convert the state yourself.")
+    saved_classes = manifest.group_classes
+    run_classes = run.group_classes or [run.optimizer_class] * len(saved_classes)
     by_key = manifest.virtual_by_key
+    for current in run.virtuals:
+        saved = by_key[current.key]
+        if saved_classes[saved.group] != run_classes[current.group]:
+            raise CheckpointError(
+                f"{where}: parameter {saved.key!r} was saved under optimizer "
+                f"{saved_classes[saved.group]} (param group {saved.group}); this run gives it "
+                f"{run_classes[current.group]} (group {current.group}). Name the same optimizer "
+                "class in its param group as the saving run did.")
+    if run.virtual_state is not None:
+        for i, current in enumerate(run.virtuals):
+            saved = by_key[current.key]
+            if saved.stateful and saved.state != run.virtual_state[i]:
+                raise CheckpointError(
+                    f"{where}: parameter {saved.key!r} was saved with optimizer state "
+                    f"{_describe_state(saved.state or {})}; this run's "
+                    f"{run_classes[current.group]} makes {_describe_state(run.virtual_state[i])}."
+                    " Use the optimizer settings of the saving run.")
+        return
     for current in run.virtuals:  # matched by key: a resharded manifest may list another order
         saved = by_key[current.key]
         s, c = manifest.group_state[saved.group], run.group_state[current.group]
@@ -431,5 +619,7 @@ def _check_entries(saved: list[dict[str, Any]], current: list[dict[str, Any]], w
 
 
 def _describe_state(specs: dict[str, StateSpec]) -> str:
-    described = (f"{k}: {s.kind} {dtype_name(s.dtype)}" for k, s in sorted(specs.items()))
+    described = (f"{k}: {s.kind} {dtype_name(s.dtype)}"
+                 + (f" {list(s.shape)}" if s.kind == TENSOR and s.shape is not None else "")
+                 for k, s in sorted(specs.items()))
     return "{" + ", ".join(described) + "}"

@@ -22,7 +22,7 @@ from ..core.view import ShardView
 from ..errors import CheckpointError, UsageError
 from .atomic import MANIFEST_NAME, previous_folder
 from .format import (ELEMENTWISE, VALUE, Manifest, VirtualRecord, check_against_run, check_shard,
-                     describe_run, read_manifest, resolve_folder, tensor_key)
+                     describe_run, read_manifest, resolve_folder, state_specs, tensor_key)
 from .safetensors_io import LazyShard
 from .save import local_phase, manifest_save_id
 
@@ -99,8 +99,11 @@ def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
     sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()
     run = describe_run(view)
     check_against_run(manifest, run, view.comm.size, str(path))
-    shard = check_shard(path, manifest, view.comm.rank)
-    values, states = _read_shard(view, manifest, shard, run.virtuals)
+    if manifest.partition == "tensors":
+        values, states = _read_owned(view, manifest, path, run.virtuals)
+    else:
+        shard = check_shard(path, manifest, view.comm.rank)
+        values, states = _read_shard(view, manifest, shard, run.virtuals)
     return _Read(notes, sha, values, states)
 
 
@@ -121,6 +124,37 @@ def _read_shard(view: ShardView, manifest: Manifest, shard: Path, run: list[Virt
                     for key, spec in manifest.group_state[v.group].items()}
     if len(values) != len(view.chunks()):
         raise CheckpointError(f"{shard}: expected {len(view.chunks())} value tensors")
+    return values, states
+
+
+def _read_owned(view: ShardView, manifest: Manifest, folder: Path, run: list[VirtualRecord]
+                ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """Whole-tensor ownership: each tensor this rank owns, read whole from the shard of the
+    rank that owned it when saved (checked first, once per shard read); [Note: checkpoint
+    format]."""
+    device = view.comm.device
+    by_key = manifest.virtual_by_key
+    chunks = view.chunks()
+    wanted = [by_key[run[c.slot.virtual].key] for c in chunks]
+    readers = {r: LazyShard(check_shard(folder, manifest, r))
+               for r in sorted({v.owner for v in wanted if v.owner is not None})}
+    values: list[torch.Tensor] = []
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for i, (chunk, v) in enumerate(zip(chunks, wanted)):
+            assert v.owner is not None
+            reader = readers[v.owner]
+            value = _fresh(reader.read(tensor_key(v.key, VALUE)), device)
+            if tuple(value.shape) != tuple(chunk.segment.shape):
+                raise CheckpointError(f"{v.key}: saved value of shape {list(value.shape)}, this "
+                                      f"run's parameter is {list(chunk.segment.shape)}")
+            values.append(value)
+            if v.stateful:
+                states[i] = {key: _fresh(reader.read(tensor_key(v.key, key)), device)
+                             for key in state_specs(manifest, v)}
+    finally:
+        for reader in readers.values():
+            reader.close()
     return values, states
 
 

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import CheckpointError
 from .atomic import make_staging
-from .format import Manifest, VirtualRecord, whats
+from .format import Manifest, VirtualRecord, replan, whats
 from .host import FOLDER, INDEX, _write_index, check_layout, instance_record, read_index
 from .tools import FullStateReader, open_checkpoint, verify, write_sharded
 
@@ -149,7 +149,8 @@ def _expert_plans(root: Path, family: str, members: list[dict[str, Any]], saved_
     manifests = {path: m for path, m in sources}
     first = sources[0][1]
     for path, m in sources[1:]:
-        if m.optimizer_class != first.optimizer_class or m.group_state != first.group_state:
+        if m.optimizer_class != first.optimizer_class or m.group_state != first.group_state \
+                or m.partition != first.partition or m.group_classes != first.group_classes:
             raise CheckpointError(f"{path}: optimizer {m.optimizer_class} with other state keys "
                                   f"than {sources[0][0]} ({first.optimizer_class}); the "
                                   "expert-parallel ranks were built with different optimizers.")
@@ -258,7 +259,7 @@ def _with_place(manifest: Manifest, name: str, k: int, ep: int, edp: int,
     raw["contract"]["entries"] = entries
     if isinstance(raw.get("config"), dict):
         raw["config"]["name"] = name  # as SelectedZero2(group=ExpertGroups) names the instance
-    return Manifest.from_json(raw, where=f"resharded manifest of {name}")
+    return Manifest.from_json(replan(raw), where=f"resharded manifest of {name}")
 
 
 def _bind(target: Manifest, manifests: dict[Path, Manifest],

@@ -18,8 +18,9 @@ from ..core.view import ShardView
 from ..errors import CheckpointError, SelZeroError
 from .atomic import (MANIFEST_NAME, crash_point, fsync_dir, make_staging, previous_folder,
                      put_in_place, refuse_to_replace)
-from .format import (CHUNKING, ELEMENTWISE, FORMAT, FORMAT_VERSION, VALUE, Manifest, RunSchema,
-                     VirtualRecord, describe_run, shard_file_name, tensor_key, write_manifest)
+from .format import (CHUNKING, ELEMENTWISE, FORMAT, FORMAT_VERSION, OWNERSHIP, VALUE, Manifest,
+                     RunSchema, VirtualRecord, describe_run, shard_file_name, tensor_key,
+                     write_manifest)
 from .safetensors_io import StreamingWriter, TensorPlan
 
 __all__ = ["save_checkpoint", "stage_checkpoint", "place_staged", "discard_staged",
@@ -136,20 +137,29 @@ def _write_shard(view: ShardView, run: RunSchema, staging: Path) -> dict[str, An
     rank, world = view.comm.rank, view.comm.size
     items: list[tuple[str, torch.Tensor]] = []
     stateful: list[int] = []
+    owned = run.virtual_state is not None
     for chunk in sorted(view.chunks(), key=lambda c: c.slot.virtual):
         v = run.virtuals[chunk.slot.virtual]
         items.append((tensor_key(v.key, VALUE), chunk.segment.detach()))
         if not chunk.state:
             continue
-        specs = run.group_state[v.group]
+        specs = run.virtual_state[chunk.slot.virtual] if run.virtual_state is not None else \
+            run.group_state[v.group]
+        classes = run.group_classes or [run.optimizer_class]
         if set(chunk.state) != set(specs):
             raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(chunk.state)}, "
                                   f"expected {sorted(specs)} from one step of "
-                                  f"{run.optimizer_class}.")
+                                  f"{classes[v.group if run.group_classes else 0]}.")
         stateful.append(chunk.slot.virtual)
         for key in sorted(specs):
             tensor = chunk.state[key].detach()
-            if specs[key].kind == ELEMENTWISE:
+            if owned and (tuple(tensor.shape) != (specs[key].shape or ()) or
+                          tensor.dtype != specs[key].dtype):
+                raise CheckpointError(
+                    f"optimizer state {key!r} of {v.key!r} is {list(tensor.shape)} "
+                    f"{tensor.dtype}; one step of the optimizer makes {list(specs[key].shape or ())}"
+                    f" {specs[key].dtype}.")
+            if specs[key].kind == ELEMENTWISE and not owned:
                 tensor = tensor.reshape(-1)
             items.append((tensor_key(v.key, key), tensor))
     name = shard_file_name(rank, world)
@@ -170,23 +180,29 @@ def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], stag
             save_id: str | None) -> None:
     stateful = {v for r in records for v in r["stateful"]}
     virtuals = [VirtualRecord(v.key, v.entry, v.expert, v.numel, v.shape, v.group,
-                              i in stateful).to_json() for i, v in enumerate(run.virtuals)]
+                              i in stateful, v.owner,
+                              run.virtual_state[i] if run.virtual_state is not None else None
+                              ).to_json() for i, v in enumerate(run.virtuals)]
+    owned = run.virtual_state is not None
+    classes = run.group_classes or [run.optimizer_class] * len(run.group_state)
     cfg = view.config
     from .. import __version__
 
     raw = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if owned else FORMAT_VERSION,
         "package_version": __version__,
         "name": cfg.name,
         "group_size": view.comm.size,
-        "contract": {"entries": run.entries, "chunking": CHUNKING},
+        "contract": {"entries": run.entries, "chunking": OWNERSHIP if owned else CHUNKING},
         "virtuals": virtuals,
         # hyperparameters as the optimizer used them last (defaults filled in, scheduled lr)
         "optimizer": {"class": run.optimizer_class, "param_groups": [
-            {"hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
+            {"class": cls,
+             "hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
              "state": {k: s.to_json() for k, s in sorted(state.items())}}
-            for group, state in zip(view.optimizer.param_groups, run.group_state)]},
+            for group, state, cls in zip(view.optimizer.param_groups,
+                                         run.group_state or [{}] * len(classes), classes)]},
         "expert_parallel": None if view.expert_parallel is None else {
             "ep_rank": view.expert_parallel[0], "ep_size": view.expert_parallel[1]},
         "normalization": {"reduction": cfg.reduction, "normalize_over": cfg.normalize_over,
@@ -195,6 +211,8 @@ def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], stag
         "shards": [{k: r[k] for k in ("rank", "file", "bytes", "sha256")}
                    for r in sorted(records, key=lambda r: r["rank"])],
     }
+    if owned:
+        raw["partition"] = "tensors"
     if save_id is not None:
         raw["save_id"] = save_id  # the index.json of the same save holds it too
     Manifest.from_json(raw, where="manifest being written")  # the writer checks its own output

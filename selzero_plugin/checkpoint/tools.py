@@ -44,8 +44,8 @@ from .atomic import (MANIFEST_NAME, is_staging, make_staging, previous_folder, p
                      refuse_to_replace)
 from ..errors import CheckpointError
 from .format import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard, chunk_range,
-                     consolidated_plan, read_manifest, shard_file_name, shard_plan, tensor_key,
-                     whats, write_manifest)
+                     consolidated_plan, piece_range, read_manifest, shard_file_name, shard_plan,
+                     spec_of, state_specs, tensor_key, tensor_shape, whats, write_manifest)
 from .safetensors_io import LazyShard, StreamingWriter
 
 __all__ = ["open_checkpoint", "verify", "FullStateReader", "iter_full_state", "write_sharded", "reshard",
@@ -115,8 +115,17 @@ class FullStateReader:
         self.readers = [LazyShard(folder / shard_file_name(r, n)) for r in range(n)]
 
     def full(self, v: VirtualRecord) -> Iterator[tuple[str, torch.Tensor]]:
-        """(what, full flat tensor or 0-dim scalar) for each tensor of ``v``, in file order."""
+        """(what, full tensor) for each tensor of ``v``, in file order, in its consolidated
+        shape (``tensor_shape``: the virtual shape, a 0-dim scalar, or a state's own)."""
         manifest, readers, n = self.manifest, self.readers, self.manifest.group_size
+        if v.owner is not None:  # whole-tensor ownership: whole in its owner's shard
+            for what in whats(manifest, v):
+                part = readers[v.owner].read(tensor_key(v.key, what))
+                yield what, part.reshape(tensor_shape(v, spec_of(manifest, v, what)))
+                del part
+            if readers[v.owner].read_since_open >= _MAPPED_BUDGET:
+                readers[v.owner].close()
+            return
         owners = [r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0]
         for what in whats(manifest, v):
             key = tensor_key(v.key, what)
@@ -133,7 +142,8 @@ class FullStateReader:
                 del part
                 if readers[r].read_since_open >= _MAPPED_BUDGET // n:
                     readers[r].close()  # a large chunk: unmap it before reading the next
-            yield what, full
+            assert full is not None
+            yield what, full.view(v.shape)
             del full
             if sum(r.read_since_open for r in readers) >= _MAPPED_BUDGET:
                 for reader in readers:  # unmap: touched pages of every shard add up otherwise
@@ -146,7 +156,8 @@ class FullStateReader:
 
 def iter_full_state(folder: Path, manifest: Manifest
                     ) -> Iterator[tuple[VirtualRecord, str, torch.Tensor]]:
-    """(virtual parameter, what, full flat tensor or 0-dim scalar) in file order, one at a time."""
+    """(virtual parameter, what, full tensor in its consolidated shape) in file order, one at a
+    time."""
     reader = FullStateReader(folder, manifest)
     try:
         for v in _progress(manifest.virtuals, total=len(manifest.virtuals), desc="parameters",
@@ -183,12 +194,18 @@ def write_sharded(out: Path, manifest: Manifest,
             writers.append(StreamingWriter(staging / shard_file_name(r, n),
                                            [p for p, _, _ in shard_plan(manifest, r)],
                                            {"format": "pt"}))
+        targets = manifest.virtual_by_key
         for v, what, full in stream:
+            target = targets.get(v.key, v)
             for r in range(n):
-                start, length = chunk_range(v.numel, n, r)
-                if length:
-                    writers[r].write(tensor_key(v.key, what),
-                                     full if full.dim() == 0 else full[start:start + length])
+                start, length = piece_range(manifest, target, r)
+                if not length:
+                    continue
+                if target.owner is not None or full.dim() == 0:  # whole, in its own shape
+                    piece = full
+                else:
+                    piece = full.reshape(-1)[start:start + length]
+                writers[r].write(tensor_key(v.key, what), piece)
             del full  # before the next one is assembled
         records = []
         for r, writer in enumerate(writers):
@@ -240,8 +257,7 @@ def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
         with StreamingWriter(partial, [p for p, _, _ in consolidated_plan(manifest)],
                              consolidated_metadata(manifest)) as writer:
             for v, what, full in iter_full_state(path, manifest):
-                writer.write(tensor_key(v.key, what),
-                             full if full.dim() == 0 else full.view(v.shape))
+                writer.write(tensor_key(v.key, what), full)
                 del full  # before the next one is assembled
             writer.close()
         os.replace(partial, out)
@@ -295,7 +311,7 @@ def _merged_state(f: Any, manifest: Manifest, virtuals: list[VirtualRecord],
     stepped = [v for v in virtuals if v.stateful]
     if not stepped:
         return {}
-    specs = manifest.group_state[virtuals[0].group]
+    specs = state_specs(manifest, stepped[0])
     if len(virtuals) == 1:
         return {k: f.get_tensor(tensor_key(virtuals[0].key, k)) for k in sorted(specs)}
     scalars = {k: [f.get_tensor(tensor_key(v.key, k)) for v in stepped]
@@ -313,7 +329,7 @@ def _merged_state(f: Any, manifest: Manifest, virtuals: list[VirtualRecord],
         else:
             merged[key] = torch.stack([
                 f.get_tensor(tensor_key(v.key, key)) if v.stateful
-                else torch.zeros(v.shape, dtype=spec.dtype) for v in virtuals])
+                else torch.zeros(tensor_shape(v, spec), dtype=spec.dtype) for v in virtuals])
     return merged
 
 
@@ -345,10 +361,18 @@ def inspect(folder: str | os.PathLike[str], *, verify_shards: bool = False) -> I
            f"{manifest.expert_parallel[1]}" if manifest.expert_parallel else ""),
         f"  optimizer {manifest.optimizer_class}",
     ]
+    if manifest.partition == "tensors":
+        report.lines.insert(3, "  partition: tensors (whole tensors, each in its owner's shard); "
+                            + _ownership_line(manifest))
+    classes = manifest.group_classes
     for g, (hyper, specs) in enumerate(zip(manifest.group_hyper, manifest.group_state)):
         count = len({v.entry for v in manifest.virtuals if v.group == g})
+        if manifest.partition == "tensors":
+            specs = {k: s for v in manifest.virtuals if v.group == g
+                     for k, s in state_specs(manifest, v).items()}
         state = ", ".join(f"{k} ({s.kind})" for k, s in sorted(specs.items())) or "none"
-        report.lines.append(f"    group {g}: {count} parameter(s); "
+        own = f" ({classes[g]})" if classes[g] != manifest.optimizer_class else ""
+        report.lines.append(f"    group {g}{own}: {count} parameter(s); "
                             f"{', '.join(f'{k}={v}' for k, v in sorted(hyper.items()))}; "
                             f"state: {state}")
     norm = raw.get("normalization", {})
@@ -360,6 +384,22 @@ def inspect(folder: str | os.PathLike[str], *, verify_shards: bool = False) -> I
         if not problems:
             report.lines.append(f"  verify: OK, {n} shard(s) complete (size, sha256, tensors)")
     return report
+
+
+def _ownership_line(manifest: Manifest) -> str:
+    """Elements and optimizer cost per owner ([Note: ownership plan])."""
+    from ..core.ownership import balance, optimizer_cost
+
+    n = manifest.group_size
+    classes = manifest.group_classes
+    costs = [optimizer_cost(classes[v.group], manifest.group_hyper[v.group], v.shape)
+             for v in manifest.virtuals]
+    owners = [v.owner or 0 for v in manifest.virtuals]
+    elements = [0] * n
+    for v in manifest.virtuals:
+        elements[v.owner or 0] += v.numel
+    return (f"elements per rank {elements}, optimizer-work balance (max/mean) "
+            f"{balance(costs, owners, n):.3f}")
 
 
 def _parameter_lines(path: Path, manifest: Manifest) -> list[str]:
@@ -408,9 +448,9 @@ def _steps(path: Path, manifest: Manifest) -> dict[str, int]:
     readers: dict[int, LazyShard] = {}
     try:
         for v in manifest.virtuals:
-            if not v.stateful or "step" not in manifest.group_state[v.group]:
+            if not v.stateful or "step" not in state_specs(manifest, v):
                 continue
-            owner = next(r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0)
+            owner = next(r for r in range(n) if piece_range(manifest, v, r)[1] > 0)
             if owner not in readers:
                 readers[owner] = LazyShard(path / shard_file_name(owner, n))
             try:

@@ -35,7 +35,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .comm import Communicator, RowWork
 from .layout import Layout
-from .rowcopy import add_or_copy, flat_views, row_views
+from .rowcopy import add_or_copy, flat_views, piece_buffer_views, piece_flat_views, row_views
 from .storage import ShardStorage
 
 __all__ = ["BucketCollectives", "BufferPool", "PATIENCE_S"]
@@ -97,8 +97,8 @@ class BucketCollectives:
         self.storage = storage
         self.max_alive = max_alive
         self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)  # 1D, N rows
-        largest = max((spec.row_numel for spec in layout.buckets), default=0)
-        self.pool = BufferPool(comm.size * largest * 4, comm.device,
+        largest = max((spec.buffer_numel(comm.size) for spec in layout.buckets), default=0)
+        self.pool = BufferPool(largest * 4, comm.device,
                                keep=min(max_alive, len(layout.buckets)))  # no idle block
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
@@ -139,12 +139,20 @@ class BucketCollectives:
         b = self.layout.entry_bucket[t]
         assert not self.launched(b), "a launched bucket takes no more gradients"
         buffer = self._buffer(b)
-        ids = self.layout.entry_virtuals[t]
-        first = self.layout.virtuals[ids[0]]
-        add_or_copy(self._row_views(buffer, t),
-                    flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel),
-                    t in self.filled[b])
+        add_or_copy(self._row_views(buffer, t), self.flat_side(flat, t), t in self.filled[b])
         self.filled[b].add(t)
+
+    def flat_side(self, flat: torch.Tensor, t: int, skip: int | None = None
+                  ) -> list[torch.Tensor]:
+        """Entry t's flat-side views of ``flat`` (its gradient or parameter), pairing with its
+        views in a bucket buffer."""
+        layout = self.layout
+        if layout.owned:
+            return piece_flat_views(flat, layout.entry_pieces[t], skip=skip)
+        ids = layout.entry_virtuals[t]
+        first = layout.virtuals[ids[0]]
+        return flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel,
+                          skip=skip)
 
     def _row_views(self, buffer: torch.Tensor, t: int) -> list[torch.Tensor]:
         """Entry t's views in its bucket's ``buffer``, kept for reused blocks ([Note: cached
@@ -154,9 +162,11 @@ class BucketCollectives:
         if views is None:
             ids = self.layout.entry_virtuals[t]
             first = self.layout.virtuals[ids[0]]
-            views = row_views(buffer.view(self.comm.size, -1),
-                              row_offset=self.layout.entry_row_offset[t], experts=len(ids),
-                              per=first.numel, chunk=first.chunk_numel)
+            views = piece_buffer_views(buffer, self.layout.entry_pieces[t]) \
+                if self.layout.owned else \
+                row_views(buffer.view(self.comm.size, -1),
+                          row_offset=self.layout.entry_row_offset[t], experts=len(ids),
+                          per=first.numel, chunk=first.chunk_numel)
             if self.pool.persistent(buffer):
                 self.fill_views[key] = views
         return views
@@ -171,10 +181,9 @@ class BucketCollectives:
                                    "peer launches it later: a launch unit that did not run "
                                    "there?); this backward no longer bounds its buffers.",
                                    self.patience_s)
-            rows = self.layout.buckets[b].row_numel
             # not zeroed: every real position is written by a gradient or zeroed at launch;
             # padding is never read
-            buffer = self.pool.take(self.comm.size * rows, _FP32)
+            buffer = self.pool.take(self.layout.buckets[b].buffer_numel(self.comm.size), _FP32)
             self.buffers[b] = buffer
         return buffer
 
@@ -196,7 +205,8 @@ class BucketCollectives:
         self.filled[b] = set()
         self.comm.what = self.labels["gradient"][b]
         try:
-            self.pending.append((b, self.comm.reduce_scatter_rows(buffer), buffer))
+            self.pending.append((b, self.comm.reduce_scatter_rows(
+                buffer, self.layout.buckets[b].row_numels or None), buffer))
         finally:
             self.comm.what = ""
         self.next_launch += 1
@@ -261,22 +271,22 @@ class BucketCollectives:
 
     def _launch_gather(self, b: int) -> tuple[int, Any, torch.Tensor]:
         spec = self.layout.buckets[b]
+        n, rank = self.comm.size, self.comm.rank
         dtype = self.storage.trainable[spec.entries[0]].param.dtype
-        gathered = self.pool.take(self.comm.size * spec.row_numel, dtype)
-        rows = gathered.view(self.comm.size, spec.row_numel)
-        self.storage.pack_row(b, rows[self.comm.rank],
+        gathered = self.pool.take(spec.buffer_numel(n), dtype)
+        start = spec.row_start(rank, n)
+        self.storage.pack_row(b, gathered[start:start + spec.row_lengths(n)[rank]],
                               persistent=self.pool.persistent(gathered))
         self.comm.what = self.labels["parameter"][b]
         try:
-            work = self.comm.all_gather_rows_(gathered)
+            work = self.comm.all_gather_rows_(gathered, spec.row_numels or None)
         finally:
             self.comm.what = ""
         return b, work, gathered
 
     def _unpack(self, b: int, work: Any, gathered: torch.Tensor) -> None:
         work.wait()
-        self.storage.unpack_rows(b, gathered.view(self.comm.size, -1),
-                                 persistent=self.pool.persistent(gathered))
+        self.storage.unpack_rows(b, gathered, persistent=self.pool.persistent(gathered))
         self.pool.give(gathered)
 
     # ---- construction ----------------------------------------------------------------------

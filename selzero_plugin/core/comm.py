@@ -284,34 +284,52 @@ class Communicator:
 
     # ---- bucket collectives (rank-major buffers of N rows) ----------------------------------
 
-    def reduce_scatter_rows(self, buffer: torch.Tensor) -> RowWork:
-        """Launch the SUM reduction of ``buffer`` (N rank-major rows); ``wait()`` returns row
-        ``rank`` of the result. ``buffer`` must stay untouched until then."""
+    def reduce_scatter_rows(self, buffer: torch.Tensor,
+                            rows: tuple[int, ...] | None = None) -> RowWork:
+        """Launch the SUM reduction of ``buffer`` (N rank-major rows; ``rows``: their uneven
+        lengths, [Note: whole-tensor layout]); ``wait()`` returns row ``rank`` of the result.
+        ``buffer`` must stay untouched until then."""
         self._record("reduce_scatter", buffer)
-        rows = buffer.view(self.size, -1)
+        if rows is None:
+            parts = list(buffer.view(self.size, -1).unbind(0))
+        else:
+            parts = list(buffer.split(list(rows)))
         if self.size == 1:
-            return _Done(rows[0])
+            return _Done(parts[0])
         if self.emulate:
             return _Rows(self._async("reduce_scatter", buffer, lambda: dist.all_reduce(
-                buffer, group=self.group, async_op=True)), rows[self.rank])
-        output = torch.empty_like(rows[0])
-        work = self._async("reduce_scatter", buffer, lambda: _REDUCE_SCATTER(
-            output, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+                buffer, group=self.group, async_op=True)), parts[self.rank])
+        output = torch.empty_like(parts[self.rank])
+        if rows is None:
+            work = self._async("reduce_scatter", buffer, lambda: _REDUCE_SCATTER(
+                output, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        else:  # uneven: ProcessGroupNCCL runs one reduce per owner, coalesced
+            work = self._async("reduce_scatter", buffer, lambda: dist.reduce_scatter(
+                output, parts, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return _Rows(work, output)
 
-    def all_gather_rows_(self, gathered: torch.Tensor) -> Work:
+    def all_gather_rows_(self, gathered: torch.Tensor, rows: tuple[int, ...] | None = None
+                         ) -> Work:
         """Fill every row of ``gathered`` in place from the rank that owns it; the caller has
-        written its own row ``rank``. Launched asynchronously; ``wait()`` before reading."""
+        written its own row ``rank`` (``rows``: uneven lengths). Launched asynchronously;
+        ``wait()`` before reading."""
         self._record("all_gather", gathered)
-        rows = gathered.view(self.size, -1)
+        if rows is None:
+            parts = list(gathered.view(self.size, -1).unbind(0))
+        else:
+            parts = list(gathered.split(list(rows)))
         if self.size == 1:
             return _Done()
         if self.emulate:
             return self._async("all_gather", gathered, lambda: _All([
-                dist.broadcast(rows[r], group=self.group, group_src=r, async_op=True)
-                for r in range(self.size)]))
-        return self._async("all_gather", gathered, lambda: _ALL_GATHER(
-            gathered, rows[self.rank], group=self.group, async_op=True))
+                dist.broadcast(parts[r], group=self.group, group_src=r, async_op=True)
+                for r in range(self.size) if parts[r].numel()]))
+        if rows is None:
+            return self._async("all_gather", gathered, lambda: _ALL_GATHER(
+                gathered, parts[self.rank], group=self.group, async_op=True))
+        # uneven: ProcessGroupNCCL runs one broadcast per owner, coalesced, into the views
+        return self._async("all_gather", gathered, lambda: dist.all_gather(
+            parts, parts[self.rank], group=self.group, async_op=True))
 
     # ---- small collectives ----------------------------------------------------------------
 

@@ -7,7 +7,21 @@ parameter's storage for fp32 parameters, an FP32 master otherwise). Because each
 own optimizer parameter, per-parameter state, step counts and torch's "grad is None -> skip"
 rule give exactly the presence semantics, and an elementwise optimizer computes on a chunk what
 it would compute on the whole tensor. Optimizers whose update reads a whole matrix or tensor
-(factored moments, orthogonalization, trust ratios, line searches) cannot run on chunks.
+(factored moments, orthogonalization, trust ratios, line searches) cannot run on chunks; under
+whole-tensor ownership (``partition="tensors"``) a segment is a whole (virtual) parameter in
+its own shape, so Muon, Adafactor and the classes in ``extra_matrix_optimizers`` run there
+unmodified.
+
+[Note: param groups with their own optimizer]
+A param group may name its own optimizer class (``"optimizer": "torch.optim.AdamW"``). Its
+parameters run that class with the group's hyperparameters alone (the class's own defaults for
+the rest: the main optimizer's kwargs are Muon's, not AdamW's); a group naming the main class
+is an ordinary override. Beside a host optimizer instance, such groups are the only
+``param_groups`` allowed (the rest mirror the host's groups). Scheduling: ``step(lr=x)`` and a
+mirrored host set the lr of the main class's groups; a group with its own class follows the
+same schedule *factor* (its lr times the main lr now over the main lr at construction, or the
+host's ``initial_lr`` when an LR scheduler set one), which is exactly what a torch LambdaLR over
+all groups would do.
 """
 
 from __future__ import annotations
@@ -22,16 +36,21 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, OptimizerNotSupportedError
+from .multi_optimizer import MultiOptimizer
 from .selection import SelectedEntry, matches_any
 
-__all__ = ["ELEMENTWISE", "GroupPlan", "SegmentOptimizer", "resolve_optimizer_class",
-           "check_elementwise", "check_hyperparameters", "plan_groups", "plan_groups_from_host",
-           "build_optimizer", "qualified_name", "jsonable", "stepped_state"]
+__all__ = ["ELEMENTWISE", "MATRIX", "GroupPlan", "SegmentOptimizer", "resolve_optimizer_class",
+           "check_elementwise", "check_admitted", "check_hyperparameters", "plan_groups",
+           "plan_groups_from_host", "build_optimizer", "qualified_name", "jsonable",
+           "stepped_state"]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
 )
+
+# need whole tensors; admitted under partition="tensors"
+MATRIX: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon, torch.optim.Adafactor)
 
 _WHY_REFUSED = {
     "Adafactor": "its second moment is factored into row and column statistics of the whole matrix",
@@ -71,23 +90,48 @@ def resolve_optimizer_class(optimizer: type | str) -> type[torch.optim.Optimizer
                       "torch.optim.Optimizer instance.")
 
 
-def check_elementwise(cls: type, extra: list[str]) -> None:
+def check_admitted(cls: type, *, partition: str, extra_elementwise: list[str],
+                   extra_matrix: list[str]) -> None:
+    """Under ``chunks`` only elementwise optimizers; under ``tensors`` also the matrix-wise ones
+    (Muon, Adafactor, ``extra_matrix_optimizers``)."""
+    if partition == "tensors" and (cls in MATRIX or _listed(cls, extra_matrix)):
+        return
+    if partition != "tensors" and _listed(cls, extra_matrix):
+        raise OptimizerNotSupportedError(
+            f"optimizer {qualified_name(cls)} is listed in extra_matrix_optimizers: it needs "
+            "whole tensors, and partition='chunks' gives each rank a flat slice of every "
+            "tensor. Set partition='tensors' (each rank then owns whole tensors).")
+    check_elementwise(cls, extra_elementwise, partition=partition)
+
+
+def check_elementwise(cls: type, extra: list[str], *, partition: str = "chunks") -> None:
     """Refuse optimizers whose update needs whole tensors; admit the allowlist and ``extra``."""
     if cls in ELEMENTWISE or _listed(cls, extra):
         return
     why = _WHY_REFUSED.get(cls.__name__)
+    if why is not None and partition != "tensors":
+        raise OptimizerNotSupportedError(
+            f"optimizer {qualified_name(cls)} cannot run on selzero's flat chunks: {why}, and "
+            "with partition='chunks' each rank holds only a slice of every tensor. Set "
+            "partition='tensors' (each rank then owns whole tensors and runs "
+            f"{cls.__name__} on them unmodified; torch.optim.Muon and Adafactor are admitted, "
+            "other classes through extra_matrix_optimizers), or use an elementwise optimizer "
+            "(AdamW, Adam, SGD, ...) for the selected parameters.")
     if why is not None:
         raise OptimizerNotSupportedError(
-            f"optimizer {qualified_name(cls)} cannot run on selzero's flat shards: {why}, and "
-            "each rank holds only a slice of every tensor. Use an elementwise optimizer (AdamW, "
-            "Adam, SGD, ...) for the selected parameters, or leave them out of selzero's `params` "
-            "so the host strategy (or a whole-parameter ZeRO-1) keeps them.")
+            f"optimizer {qualified_name(cls)} needs {why.split(' ', 1)[0]} more than whole "
+            f"tensors ({why}); selzero admits torch.optim.Muon and Adafactor under "
+            "partition='tensors', and other classes whose update needs only each tensor whole "
+            f"through extra_matrix_optimizers (add {qualified_name(cls)!r} if that holds).")
     raise OptimizerNotSupportedError(
         f"optimizer {qualified_name(cls)} is not known to be elementwise, and selzero runs the "
         "update on flat slices of each tensor. Known: "
         f"{', '.join(c.__name__ for c in ELEMENTWISE)}. If every state tensor of "
         f"{cls.__name__} has the parameter's shape and the update never mixes elements, add "
-        f"{qualified_name(cls)!r} to `extra_elementwise_optimizers`.")
+        f"{qualified_name(cls)!r} to `extra_elementwise_optimizers`"
+        + ("; if it needs each tensor whole, to `extra_matrix_optimizers`." if partition ==
+           "tensors" else "; if it needs whole tensors, set partition='tensors' and add it to "
+           "`extra_matrix_optimizers`."))
 
 
 def check_hyperparameters(cls: type, keys: list[str], *, where: str) -> None:
@@ -125,31 +169,55 @@ class GroupPlan:
     hyper: dict[str, Any]
     members: list[int]  # indices into the trainable entries
     host_group: int | None = None  # host optimizer group mirrored at every step
+    cls: type | None = None  # a class of its own ([Note: param groups with their own optimizer])
+
+
+def override_class(override: dict[str, Any]) -> type | None:
+    """The class a ``param_groups`` entry names, or None."""
+    name = override.get("optimizer")
+    return None if name is None else resolve_optimizer_class(name)
+
+
+def _override_hyper(override: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in override.items() if k not in ("params", "optimizer")}
 
 
 def plan_groups(trainable: list[SelectedEntry], defaults: dict[str, Any],
-                overrides: list[dict[str, Any]]) -> list[GroupPlan]:
-    """Group 0 holds the defaults; ``overrides[i]`` (first match wins) becomes group i + 1."""
-    plans = [GroupPlan(dict(defaults), [])] + [
-        GroupPlan({**defaults, **{k: v for k, v in o.items() if k != "params"}}, [])
-        for o in overrides]
-    for t, entry in enumerate(trainable):
-        g = next((i + 1 for i, o in enumerate(overrides)
-                  if any(matches_any(n, list(o["params"])) for n in entry.names)), 0)
-        plans[g].members.append(t)
+                overrides: list[dict[str, Any]], cls: type | None = None) -> list[GroupPlan]:
+    """Group 0 holds the defaults; ``overrides[i]`` (first match wins) becomes group i + 1. An
+    override naming another class than ``cls`` takes its own hyperparameters alone."""
+    plans = [GroupPlan(dict(defaults), [])]
+    for o in overrides:
+        own = override_class(o)
+        if own is None or own is cls:
+            plans.append(GroupPlan({**defaults, **_override_hyper(o)}, []))
+        else:
+            plans.append(GroupPlan(_override_hyper(o), [], None, own))
+    _assign(trainable, overrides, plans, lambda t: 0)
     return plans
 
 
-def plan_groups_from_host(trainable: list[SelectedEntry],
-                          host: torch.optim.Optimizer) -> list[GroupPlan]:
-    """One group per host group; a parameter the host does not hold mirrors host group 0."""
+def _assign(trainable: list[SelectedEntry], overrides: list[dict[str, Any]],
+            plans: list[GroupPlan], fallback: Any, first: int = 1) -> None:
+    for t, entry in enumerate(trainable):
+        g = next((first + i for i, o in enumerate(overrides)
+                  if any(matches_any(n, list(o["params"])) for n in entry.names)), None)
+        plans[fallback(t) if g is None else g].members.append(t)
+
+
+def plan_groups_from_host(trainable: list[SelectedEntry], host: torch.optim.Optimizer,
+                          overrides: list[dict[str, Any]] | None = None) -> list[GroupPlan]:
+    """One group per host group; a parameter the host does not hold mirrors host group 0.
+    ``overrides`` (each naming its own optimizer class) come after, first match wins."""
     where: dict[int, int] = {}
     for g, group in enumerate(host.param_groups):
         for p in group["params"]:
             where.setdefault(id(p), g)
     plans = [GroupPlan(_hyper(group), [], g) for g, group in enumerate(host.param_groups)]
-    for t, entry in enumerate(trainable):
-        plans[where.get(id(entry.param), 0)].members.append(t)
+    overrides = overrides or []
+    plans += [GroupPlan(_override_hyper(o), [], None, override_class(o)) for o in overrides]
+    _assign(trainable, overrides, plans, lambda t: where.get(id(trainable[t].param), 0),
+            first=len(host.param_groups))
     return plans
 
 
@@ -188,11 +256,13 @@ def jsonable(value: Any) -> Any:
 
 
 class SegmentOptimizer:
-    """An unmodified ``torch.optim`` optimizer over this rank's segment parameters.
+    """Unmodified ``torch.optim`` optimizers over this rank's segment parameters.
 
     ``plans[g]`` lists the trainable entries of optimizer group g; each segment joins the group
-    of its entry. A host optimizer instance, when given, is mirrored: its scheduled values are
-    re-read into the groups before every step.
+    of its entry. Groups of the main class ``cls`` form one torch optimizer, those naming a
+    class of their own one per class ([Note: param groups with their own optimizer]);
+    ``optimizer`` is the one, or a ``MultiOptimizer`` over them. A host optimizer instance,
+    when given, is mirrored: its scheduled values are re-read before every step.
     """
 
     def __init__(self, cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
@@ -205,15 +275,60 @@ class SegmentOptimizer:
         per_group: list[list[nn.Parameter]] = [[] for _ in plans]
         for seg, t in zip(segments, entry_of_segment):
             per_group[self.group_of_entry[t]].append(seg)
-        self.optimizer = build_optimizer(cls, plans, per_group, defaults)
+        classes: list[type] = []
+        for plan in plans:
+            c = plan.cls or cls
+            if c not in classes:
+                classes.append(c)
+        built, order = [], []
+        for c in classes:
+            mine = [g for g, plan in enumerate(plans) if (plan.cls or cls) is c]
+            built.append(build_optimizer(c, [plans[g] for g in mine],
+                                         [per_group[g] for g in mine],
+                                         defaults if c is cls else {}))
+        for g, plan in enumerate(plans):
+            m = classes.index(plan.cls or cls)
+            order.append((m, sum(1 for h in range(g) if (plans[h].cls or cls) is classes[m])))
+        self.optimizer: torch.optim.Optimizer = built[0] if len(built) == 1 else \
+            MultiOptimizer(built, order)
+        self.main = next(g for g, plan in enumerate(plans) if plan.cls is None or plan.cls is cls)
+        self.own_lr = {g: float(plan.hyper["lr"]) for g, plan in enumerate(plans)
+                       if plan.cls is not None and plan.cls is not cls
+                       and isinstance(plan.hyper.get("lr"), (int, float))}
+        self.base_lr = self._main_lr(initial=True)
+
+    def _main_lr(self, initial: bool = False) -> float | None:
+        group = self.optimizer.param_groups[self.main]
+        if initial and self.host is not None and self.plans[self.main].host_group is not None:
+            host_group = self.host.param_groups[self.plans[self.main].host_group]
+            value = host_group.get("initial_lr", host_group.get("lr"))
+        else:
+            value = group.get("initial_lr", group.get("lr")) if initial else group.get("lr")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
 
     def prepare(self, lr: float | None) -> None:
-        """The hyperparameters of this step: the host's scheduled values, then ``lr``."""
+        """The hyperparameters of this step: the host's scheduled values, then ``lr``; groups
+        with a class of their own follow the main lr's schedule factor when selzero drives the
+        main lr (a host or ``lr``), and are left as they are otherwise."""
         if self.host is not None:
             refresh_from_host(self.optimizer, self.plans, self.host)
+        groups = self.optimizer.param_groups
         if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            for g in range(len(groups)):
+                if g not in self.own_lr and (self.plans[g].cls is None
+                                             or self.plans[g].cls is self.cls):
+                    groups[g]["lr"] = lr
+        if self.own_lr and (lr is not None or self.host is not None):
+            if self.host is not None and "initial_lr" in \
+                    self.host.param_groups[self.plans[self.main].host_group or 0]:
+                self.base_lr = self._main_lr(initial=True)  # a scheduler made after selzero
+            now, base = self._main_lr(), self.base_lr
+            factor = now / base if now is not None and base else 1.0
+            for g, own in self.own_lr.items():
+                groups[g]["lr"] = own * factor
 
 
 def stepped_state(state: Any) -> bool:

@@ -9,13 +9,20 @@ The row side and the flat side of a copy are separate view lists (``row_views`` 
 ``flat_views``, pairwise the same shapes), so that callers can keep the row side of a buffer
 that is reused every step and pay only for the side that changes ([Note: cached views] in
 storage.py). ``skip`` leaves out one row (a rank's own row, already in place).
+
+Under whole-tensor ownership an entry is a list of pieces (layout.py, ``Piece``): each a run
+of the entry's flat elements held whole at an offset of the bucket's (uneven-row) buffer;
+``piece_buffer_views`` / ``piece_flat_views`` pair up the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["copy_in", "copy_out", "row_views", "flat_views", "add_or_copy"]
+from .layout import Piece
+
+__all__ = ["copy_in", "copy_out", "row_views", "flat_views", "add_or_copy", "piece_buffer_views",
+           "piece_flat_views"]
 
 
 def _row_ranges(per: int, chunk: int, skip: int | None) -> tuple[list[tuple[int, int]], int]:
@@ -87,3 +94,16 @@ def copy_out(rows: torch.Tensor, flat: torch.Tensor, *, row_offset: int, experts
     srcs = row_views(rows, row_offset=row_offset, experts=experts, per=per, chunk=chunk, skip=skip)
     for src, dst in zip(srcs, flat_views(flat, experts=experts, per=per, chunk=chunk, skip=skip)):
         dst.copy_(src)
+
+
+def piece_buffer_views(buffer: torch.Tensor, pieces: tuple[Piece, ...], *,
+                       skip: int | None = None) -> list[torch.Tensor]:
+    """The buffer-side views of an owned entry (``buffer``: the bucket's 1-D buffer)."""
+    return [buffer[p.buffer_offset:p.buffer_offset + p.numel] for p in pieces if p.owner != skip]
+
+
+def piece_flat_views(flat: torch.Tensor, pieces: tuple[Piece, ...], *,
+                     skip: int | None = None) -> list[torch.Tensor]:
+    """The flat-side views of an owned entry (``flat``: contiguous, of any shape)."""
+    flat = flat.view(-1)
+    return [flat[p.flat_offset:p.flat_offset + p.numel] for p in pieces if p.owner != skip]

@@ -9,6 +9,10 @@ For each slot (a virtual parameter with a non-empty chunk on this rank, in bucke
   view of the parameter's own storage (the update writes the parameter directly); for a bf16 or
   fp16 parameter it is a view of ``master_flat``, the FP32 masters (1D).
 
+Under whole-tensor ownership a slot is a whole (virtual) parameter and its segment and
+gradient view have the virtual parameter's own shape (an expert's ``(out, in)`` matrix), so a
+matrix-wise optimizer sees the matrix; the gradient shard and the masters stay flat.
+
 All of it lives on the selected parameters' device. ``grad_shard`` accumulates the reduced rows
 of successive micro-steps; ``stale`` marks that it still holds a finished window's values, so the
 first reduced row of the next window overwrites instead of adding.
@@ -33,7 +37,7 @@ from torch import nn
 
 from .layout import Layout, ShardSlot
 from .report import MemoryReport
-from .rowcopy import flat_views, row_views
+from .rowcopy import flat_views, piece_buffer_views, piece_flat_views, row_views
 from .selection import SelectedEntry
 
 __all__ = ["ShardStorage", "holds_nonfinite"]
@@ -58,6 +62,8 @@ class ShardStorage:
         self.trainable = trainable
         self.rank = rank
         self.slots: tuple[ShardSlot, ...] = layout.shard_slots(rank)
+        # a segment's shape: its chunk (1-D), or under whole-tensor ownership the virtual shape
+        self.shapes: list[tuple[int, ...]] = [self._shape(s) for s in self.slots]
         self.grad_shard = torch.zeros(sum(s.numel for s in self.slots), dtype=_FP32,
                                       device=device)  # 1D, real chunks only
         self.master_offset: list[int | None] = []
@@ -89,21 +95,29 @@ class ShardStorage:
     def entry_of(self, slot: ShardSlot) -> SelectedEntry:
         return self.trainable[self.layout.virtuals[slot.virtual].entry]
 
+    def _shape(self, slot: ShardSlot) -> tuple[int, ...]:
+        virtual = self.layout.virtuals[slot.virtual]
+        if virtual.owner is None:
+            return (slot.numel,)
+        shape = tuple(self.entry_of(slot).param.shape)
+        return shape[1:] if virtual.expert is not None else shape
+
     def param_chunk(self, i: int) -> torch.Tensor:
-        """This rank's real chunk of slot i, as a view of the parameter's flat storage."""
+        """This rank's real chunk of slot i, as a view of the parameter's storage (1-D, or the
+        virtual parameter's shape under whole-tensor ownership)."""
         s = self.slots[i]
         start = self.layout.virtuals[s.virtual].chunk_start(self.rank)
-        return self.entry_of(s).param.data.view(-1)[start:start + s.numel]
+        return self.entry_of(s).param.data.view(-1)[start:start + s.numel].view(self.shapes[i])
 
     def _segment_data(self, i: int) -> torch.Tensor:
         offset = self.master_offset[i]
         if offset is None:
             return self.param_chunk(i)
-        return self.master_flat[offset:offset + self.slots[i].numel]
+        return self.master_flat[offset:offset + self.slots[i].numel].view(self.shapes[i])
 
     def grad_view(self, i: int) -> torch.Tensor:
         s = self.slots[i]
-        return self.grad_shard[s.shard_offset:s.shard_offset + s.numel]
+        return self.grad_shard[s.shard_offset:s.shard_offset + s.numel].view(self.shapes[i])
 
     def load_masters(self, values: dict[str, torch.Tensor] | None = None) -> None:
         """Re-read the FP32 masters from the (bf16/fp16) parameters, or from full FP32
@@ -117,7 +131,8 @@ class ShardStorage:
                     continue
                 s = self.slots[i]
                 start = self.layout.virtuals[s.virtual].chunk_start(self.rank)
-                seg.data.copy_(values[self.entry_of(s).name].reshape(-1)[start:start + s.numel])
+                seg.data.view(-1).copy_(
+                    values[self.entry_of(s).name].reshape(-1)[start:start + s.numel])
 
     def rebind(self) -> None:
         """Point fp32 segments at the parameters' storage again (the host may have replaced it)."""
@@ -157,11 +172,15 @@ class ShardStorage:
                     for i in ids]
             if persistent:
                 self._views[key] = dsts
+        segments = self._bucket_segments[bucket]
         with torch.no_grad():
-            torch._foreach_copy_(dsts, self._bucket_segments[bucket])
+            if self.layout.owned:  # whole (virtual) tensors in their own shapes
+                segments = [seg.view(-1) for seg in segments]
+            torch._foreach_copy_(dsts, segments)
 
     def unpack_rows(self, bucket: int, rows: torch.Tensor, *, persistent: bool = False) -> None:
-        """Rebuild the full parameters of ``bucket`` from its gathered rows (N, row_numel).
+        """Rebuild the full parameters of ``bucket`` from its gathered buffer (1-D, the rows
+        one after another).
         This rank's own row is not copied back into an fp32 parameter whose segments are
         views of it: the update already wrote those elements there."""
         entries = self.layout.buckets[bucket].entries
@@ -183,6 +202,14 @@ class ShardStorage:
         layout = self.layout
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        if layout.owned:
+            for t in layout.buckets[bucket].entries:
+                skip = self.rank if self._written_in_place(t) else None
+                pieces = layout.entry_pieces[t]
+                srcs += piece_buffer_views(rows, pieces, skip=skip)
+                dsts += piece_flat_views(self.trainable[t].param.data, pieces, skip=skip)
+            return dsts, srcs
+        rows = rows.view(self.layout.world_size, -1)
         for t in layout.buckets[bucket].entries:
             ids = layout.entry_virtuals[t]
             first = layout.virtuals[ids[0]]

@@ -41,10 +41,12 @@ class ShardView:
     group_of_entry: dict[int, int]  # trainable entry -> optimizer group
     group_hyperparameters: list[dict[str, Any]]  # as planned (before torch's defaults)
     optimizer_class: type[torch.optim.Optimizer]
+    group_classes: list[type]  # each group's class (its own, or optimizer_class)
     optimizer: torch.optim.Optimizer
     idle: bool  # no micro-step open, nothing reduced: a load may replace the state
     window_state: str
     expert_parallel: tuple[int, int] | None  # (ep_rank, ep_size) of an expert-parallel instance
+    partition: str  # "chunks", or "tensors": whole (virtual) parameters, VirtualSpec.owner
     _chunks: Callable[[], list[Chunk]]
     _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]], None]
     _check: Callable[[], None]

@@ -33,9 +33,10 @@ from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
 from .contract import Field, agree_on_local_errors, check_contract
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
-from .optim import (GroupPlan, SegmentOptimizer, check_elementwise, check_hyperparameters,
-                    jsonable, plan_groups, plan_groups_from_host, qualified_name,
+from .optim import (GroupPlan, SegmentOptimizer, build_optimizer, check_admitted,
+                    check_hyperparameters, jsonable, override_class, plan_groups, plan_groups_from_host, qualified_name,
                     resolve_optimizer_class, stepped_state)
+from .ownership import contiguous_runs, optimizer_cost, plan_owners
 from .report import MemoryReport, StepResult
 from .selection import SelectedEntry, resolve_selection
 from .storage import ShardStorage
@@ -138,12 +139,17 @@ class SelectedZero2:
                                      "non-empty contiguous tensor; call .contiguous() on it or leave "
                                      "it out of `params`.")
         self.normalize_ranks = _normalize_ranks(config.normalize_over, ranks)
-        self.layout: Layout = plan_layout(
-            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1) for e in trainable],
-            len(ranks), int(config.bucket_mb * 2 ** 20))
-        self.units: Units = resolve_units(self.model, trainable, list(config.launch_modules))
         self.host_optimizer, self._opt_cls, self._defaults, self._plans = \
             self._resolve_optimizer(trainable, optimizer, kwargs)
+        self.owners: list[int] | None = None
+        """Whole-tensor ownership: the owning group rank of each virtual parameter."""
+        if config.partition == "tensors":
+            _probe_groups(trainable, self._plans, self._opt_cls, self._defaults)
+            self.owners = _plan_owners(trainable, self._plans, self._opt_cls, len(ranks))
+        self.layout: Layout = plan_layout(
+            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1) for e in trainable],
+            len(ranks), int(config.bucket_mb * 2 ** 20), owners=self.owners)
+        self.units: Units = resolve_units(self.model, trainable, list(config.launch_modules))
         self.entries, self.trainable = entries, trainable
         self._dtypes = {e.name: e.param.dtype for e in entries}
 
@@ -151,12 +157,24 @@ class SelectedZero2:
                            kwargs: dict[str, Any]
                            ) -> tuple[torch.optim.Optimizer | None, type, dict[str, Any],
                                       list[GroupPlan]]:
+        config = self.config
+        overrides = list(config.param_groups)
+        for i, group in enumerate(overrides):
+            own = override_class(group)
+            if own is not None:
+                self._check_admitted(own)
+                check_hyperparameters(own, [k for k in group if k not in ("params", "optimizer")],
+                                      where=f"config.param_groups[{i}] ({own.__name__})")
         if isinstance(optimizer, torch.optim.Optimizer):
-            if kwargs or self.config.param_groups:
-                raise UsageError("optimizer is an instance: its groups give the hyperparameters, so "
-                                 "optimizer_kwargs and config.param_groups must be empty.")
+            mirrored = [i for i, g in enumerate(overrides) if "optimizer" not in g]
+            if kwargs or mirrored:
+                raise UsageError(
+                    "optimizer is an instance: its groups give the hyperparameters, so "
+                    "optimizer_kwargs must be empty and config.param_groups may only hold groups "
+                    f"that name an optimizer class of their own (param_groups{mirrored[:3]} "
+                    "name none); move those hyperparameters into the host optimizer's groups.")
             cls = type(optimizer)
-            check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
+            self._check_admitted(cls)
             held = [e for e in trainable if stepped_state(optimizer.state.get(e.param))]
             if held:
                 raise UsageError(
@@ -169,15 +187,21 @@ class SelectedZero2:
                     "parameter), and resume the subset from a selzero checkpoint "
                     "(sz.load_checkpoint). Keeping the parameters in the host's groups is fine.")
             return optimizer, cls, dict(optimizer.defaults), plan_groups_from_host(
-                trainable, optimizer)
+                trainable, optimizer, overrides)
         cls = resolve_optimizer_class(optimizer)
-        check_elementwise(cls, list(self.config.extra_elementwise_optimizers))
+        self._check_admitted(cls)
         check_hyperparameters(cls, list(kwargs), where="optimizer_kwargs")
-        for i, group in enumerate(self.config.param_groups):
-            check_hyperparameters(cls, [k for k in group if k != "params"],
-                                  where=f"config.param_groups[{i}]")
-        return None, cls, dict(kwargs), plan_groups(trainable, dict(kwargs),
-                                                    list(self.config.param_groups))
+        for i, group in enumerate(overrides):
+            if override_class(group) in (None, cls):
+                check_hyperparameters(cls, [k for k in group if k not in ("params", "optimizer")],
+                                      where=f"config.param_groups[{i}]")
+        return None, cls, dict(kwargs), plan_groups(trainable, dict(kwargs), overrides, cls)
+
+    def _check_admitted(self, cls: type) -> None:
+        config = self.config
+        check_admitted(cls, partition=config.partition,
+                       extra_elementwise=list(config.extra_elementwise_optimizers),
+                       extra_matrix=list(config.extra_matrix_optimizers))
 
     def _contract_fields(self) -> list[Field]:
         fields: list[Field] = [(f"config.{k}", v) for k, v in self.config.to_dict().items()]
@@ -197,7 +221,9 @@ class SelectedZero2:
         fields.append(("optimizer.class", qualified_name(self._opt_cls)))
         for g, plan in enumerate(self._plans):
             fields.append((f"optimizer.groups[{g}]", {
+                "class": qualified_name(plan.cls) if plan.cls is not None else None,
                 "hyperparameters": jsonable(plan.hyper), "members": plan.members}))
+        fields.append(("ownership", self.owners))
         return fields
 
     def _build_parts(self, kwargs: dict[str, Any]) -> None:
@@ -466,9 +492,11 @@ class SelectedZero2:
             comm=self.comm, config=self.config, entries=self.entries, trainable=self.trainable,
             virtuals=self.layout.virtuals, group_of_entry=dict(self.segment_optimizer.group_of_entry),
             group_hyperparameters=[dict(p.hyper) for p in self._plans],
-            optimizer_class=self._opt_cls, optimizer=self.optimizer,
+            optimizer_class=self._opt_cls,
+            group_classes=[p.cls or self._opt_cls for p in self._plans], optimizer=self.optimizer,
             idle=window.state is WindowState.IDLE, window_state=window.state.value,
-            expert_parallel=self.expert_parallel, _chunks=self._chunks, _install=self._install,
+            expert_parallel=self.expert_parallel, partition=self.config.partition,
+            _chunks=self._chunks, _install=self._install,
             _check=self._check_dtypes)
 
     def _chunks(self) -> list[Chunk]:
@@ -595,3 +623,52 @@ def _take_stale_grads(trainable: list[SelectedEntry]) -> None:
 def _is_expert_groups(group: Any) -> bool:
     """``selzero_plugin.groups.ExpertGroups`` by its fields (the core imports no top-level module)."""
     return all(hasattr(group, a) for a in ("expert_data_parallel", "ep_rank", "ep_size"))
+
+
+def _virtual_shape(entry: SelectedEntry) -> tuple[int, ...]:
+    shape = tuple(entry.param.shape)
+    return shape[1:] if entry.num_experts else shape
+
+
+def _plan_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
+                 world: int) -> list[int]:
+    """[Note: ownership plan] (ownership.py): LPT on each virtual parameter's cost under the
+    optimizer class of its group, experts of one fused tensor in contiguous blocks."""
+    group_of = {t: g for g, plan in enumerate(plans) for t in plan.members}
+    costs: list[float] = []
+    runs: list[list[int]] = []
+    for t, entry in enumerate(trainable):
+        plan = plans[group_of[t]]
+        cost = optimizer_cost(qualified_name(plan.cls or cls), plan.hyper, _virtual_shape(entry))
+        first = len(costs)
+        costs += [cost] * (entry.num_experts or 1)
+        if entry.num_experts:
+            runs.append(list(range(first, len(costs))))
+    return contiguous_runs(plan_owners(costs, world), runs)
+
+
+def _probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
+                  defaults: dict[str, Any]) -> None:
+    """Under whole-tensor ownership each rank builds its optimizers over the tensors it owns
+    only, so an optimizer that refuses a tensor (Muon and a 1-D bias) would raise on its owner
+    alone: build each group's optimizer here, on every rank, over storage-free tensors of every
+    member's shape, and name the parameter."""
+    for g, plan in enumerate(plans):
+        c = plan.cls or cls
+        seen: dict[tuple[int, ...], SelectedEntry] = {}
+        for t in plan.members:
+            seen.setdefault(_virtual_shape(trainable[t]), trainable[t])
+        for shape, entry in seen.items():
+            probe = nn.Parameter(torch.empty(shape, device="meta"))
+            try:
+                build_optimizer(c, [GroupPlan(dict(plan.hyper), [])], [[probe]],
+                                defaults if c is cls else {})
+            except (ValueError, TypeError, RuntimeError) as e:
+                what = f" (each expert of the fused tensor, shape {list(shape)})" \
+                    if entry.num_experts else f" (shape {list(shape)})"
+                raise ConfigError(
+                    f"parameter {entry.name!r}{what} is in optimizer group {g}, run by "
+                    f"{qualified_name(c)}, which refuses it: {e}. Give such parameters a param "
+                    "group with an optimizer of their own, e.g. param_groups=[{'params': "
+                    "['*.bias', '*norm*'], 'optimizer': 'torch.optim.AdamW', 'lr': 3e-4}], or "
+                    "leave them out of `params`.") from None
