@@ -19,7 +19,9 @@ routing that differs by rank and leaves experts without tokens (the peers cannot
 Rows: ``ddp`` DDP + AdamW on everything; ``selzero`` selzero on the experts + DDP on the rest;
 ``fsdp2`` fully_shard(reshard_after_forward=False) per expert block + root; ``deepspeed`` stock
 DeepSpeed ZeRO-2 over the whole model; ``deepspeed-sz`` DeepSpeed ZeRO-2 with the
-``"selected_zero2"`` entry.
+``"selected_zero2"`` entry; ``selzero-tensors`` selzero with ``partition="tensors"`` (each
+rank owns whole expert tensors; the same AdamW), whose step time the table also gives as a
+ratio to ``selzero``'s within each round.
 
 Method. Modes are interleaved round-robin in fresh processes (ddp, selzero, ..., ddp, selzero,
 ...), so a busy machine slows a whole round alike; each figure is the median over rounds and
@@ -65,7 +67,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "d": {"kind": "qwen3", "hidden": 256, "moe_intermediate": 256, "experts": 16,
           "layers": 4, "tokens": 64},
 }
-MODES = ["ddp", "selzero", "fsdp2", "deepspeed", "deepspeed-sz", "selzero-uneven"]
+MODES = ["ddp", "selzero", "fsdp2", "deepspeed", "deepspeed-sz", "selzero-uneven",
+         "selzero-tensors"]
 ACCUMULATION = 4  # micro-batches per step of the *-acc4 rows (not in the default modes)
 # extra rows: ddp-acc4 (no_sync on the first 3), selzero-acc4 (reduced micro-steps:
 # end_microstep), selzero-acc4-nosync (local micro-steps under ddp.no_sync())
@@ -393,9 +396,11 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
             opt.step()
             opt.zero_grad(set_to_none=False)  # DDP keeps its gradient buckets alive anyway
         return step, full_state(opt)
-    if mode in ("selzero", "selzero-uneven"):
+    if mode in ("selzero", "selzero-uneven", "selzero-tensors"):
         from selzero_plugin import SelectedZero2, wrap_ddp
 
+        if mode == "selzero-tensors":
+            sz_config = {**sz_config, "partition": "tensors"}
         sz = SelectedZero2(model, sz_config, torch.optim.AdamW, kwargs)
         _note_kept(sz)
         ddp = wrap_ddp(model, sz)
@@ -639,6 +644,10 @@ def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[st
         lines.append(f"| {mode} | {ms:.1f} | {ratio} | {_mb(mem)} | {vs_ideal} | {rss} | "
                      f"{_transient(rows[0])} | {wire_txt} | {vs_bound} | "
                      f"{_mb(rows[0]['other_wire'])} |")
+    if "selzero" in modes and "selzero-tensors" in modes:
+        lines += ["", "partition `tensors` / `chunks` (selzero-tensors / selzero), step time "
+                  "within a round: " + _spread([rd["selzero-tensors"]["ms"] / rd["selzero"]["ms"]
+                                                for rd in rounds])]
     plan = rounds[0].get("selzero", {}).get("plan")
     if plan:
         verdict = "equal in every field" if plan["equal"] else "DIFFERENT"

@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                       help="cast the model's parameters to this dtype (bf16/fp16: FP32 masters; "
                            "default: as the model is built, e.g. a config's torch_dtype)")
-    plan.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    plan.add_argument("--optimizer", default="adamw",
+                      choices=["adamw", "adam", "sgd", "muon", "adafactor"],
+                      help="muon: Muon on the matrices, AdamW on the rest (needs --partition "
+                      "tensors, as does adafactor)")
+    plan.add_argument("--partition", default="chunks", choices=["chunks", "tensors"])
     plan.add_argument("--expert-dim", type=int, default=None, choices=[0],
                       help="0: fused expert tensors as one virtual parameter per expert")
     plan.add_argument("--bucket-mb", type=float, default=25.0)
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan(args.model, params=args.params, world_size=args.world_size,
                             dtype=args.dtype, optimizer=args.optimizer,
                             expert_dim=args.expert_dim, modules=args.modules,
-                            bucket_mb=args.bucket_mb)
+                            bucket_mb=args.bucket_mb, partition=args.partition)
         except SelZeroError as e:
             print(f"selzero plan: error: {e}", file=sys.stderr)
             return 1

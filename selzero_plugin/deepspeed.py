@@ -322,6 +322,19 @@ def _strip_client_optimizer(optimizer: torch.optim.Optimizer, selected: set[int]
     return held
 
 
+def _schedule_peak(scheduler: Any) -> float | None:
+    """The lr DeepSpeed's scheduler peaks at for group 0 (WarmupLR, WarmupDecayLR, OneCycle:
+    ``max_lrs``; WarmupCosineLR: ``org_lrs``; a torch scheduler: ``base_lrs``), or None."""
+    for attr in ("max_lrs", "org_lrs", "base_lrs"):
+        values = getattr(scheduler, attr, None)
+        if values:
+            try:
+                return float(values[0])
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 def _subset_optimizer(engine: Any, ds_config: dict[str, Any]) -> tuple[Any, dict[str, Any], bool]:
     """(optimizer for SelectedZero2, its kwargs, whether it mirrors a torch host instance).
 
@@ -779,6 +792,9 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             "their hyperparameters as given (lr %s). To schedule them, put the selected "
             "parameters in a group that also holds DeepSpeed's parameters.",
             len(dropped), [g.get("lr") for g in dropped])
+    peak = _schedule_peak(getattr(engine, "lr_scheduler", None))
+    if peak:  # groups with an optimizer class of their own follow the schedule's factor
+        sz.set_schedule_base(peak)
     if snapshot is not None:
         sz.sync_from_params(snapshot, broadcast=sz_config.broadcast)
         del snapshot

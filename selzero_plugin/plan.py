@@ -12,6 +12,11 @@ chunks, and the optimizer's state is found by stepping a throwaway parameter
   elements, plus each scalar state tensor's element size (AdamW: ``exp_avg``, ``exp_avg_sq``
   and a 0-dim ``step``), once the slot has been stepped.
 
+Under whole-tensor ownership (``partition="tensors"``) a rank's slots are the whole (virtual)
+parameters the engine's plan gives it (``plan_virtual_owners``), and each stepped one holds
+every state tensor one step of its group's optimizer makes for its shape (``probe_state_shaped``:
+Adafactor's factored statistics are a row and a column).
+
 This is what ``SelectedZero2.memory_report()`` measures from the live storages once every
 (virtual) parameter has been stepped; the tests and ``benchmarks/`` check that they are equal
 to the byte. Beside it: the same subset under DDP (full gradients in the parameter dtype and
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -33,10 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint.format import ELEMENTWISE, probe_state
+from .checkpoint.format import ELEMENTWISE, probe_state, probe_state_shaped
 from .config import SelZeroConfig
 from .core.layout import EntrySpec, plan_layout
-from .core.optim import check_elementwise, plan_groups, resolve_optimizer_class
+from .core.optim import check_admitted, override_class, plan_groups, resolve_optimizer_class
+from .core.ownership import balance, optimizer_cost
+from .core.zero2 import plan_virtual_owners, probe_groups, virtual_shape
 from .core.selection import resolve_selection
 from .errors import ConfigError, SelectionError
 
@@ -68,6 +76,8 @@ class MemoryPlan:
     ddp_subset: int  # per rank: the subset's gradients + state, unsharded
     zero2_model: int  # per rank: ZeRO-2 over the whole model (grad + master + Adam partitions)
     ideal_total: int  # the subset's sharded bytes divided evenly (sum over ranks / N)
+    partition: str = "chunks"
+    balance: float = 1.0  # whole-tensor ownership: max / mean optimizer cost per rank
 
 
 def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_size: int,
@@ -85,21 +95,43 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
         raise SelectionError(f"params={list(config.params)} modules={list(config.modules)} select "
                              "no trainable parameter of the model; check the names with "
                              "model.named_parameters().")
-    layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
-                          for e in trainable], world_size, int(config.bucket_mb * 2 ** 20))
     if isinstance(optimizer, torch.optim.Optimizer):  # an instance: its class and defaults
         optimizer, optimizer_kwargs = type(optimizer), dict(optimizer.defaults)
     cls = resolve_optimizer_class(optimizer)
-    check_elementwise(cls, list(config.extra_elementwise_optimizers))  # as the engine refuses
     kwargs = dict(optimizer_kwargs or {})
+    for c in [cls] + [override_class(g) for g in config.param_groups if "optimizer" in g]:
+        check_admitted(c, partition=config.partition,  # as the engine refuses
+                       extra_elementwise=list(config.extra_elementwise_optimizers),
+                       extra_matrix=list(config.extra_matrix_optimizers))
     # each entry's state follows its optimizer group (config.param_groups), as in the engine
-    groups = plan_groups(trainable, kwargs, list(config.param_groups))
+    groups = plan_groups(trainable, kwargs, list(config.param_groups), cls)
+    owners = None
+    if config.partition == "tensors":
+        probe_groups(trainable, groups, cls, kwargs)
+        owners = plan_virtual_owners(trainable, groups, cls, world_size)
+    layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
+                          for e in trainable], world_size, int(config.bucket_mb * 2 ** 20),
+                         owners=owners)
     per_element, per_slot = [0] * len(trainable), [0] * len(trainable)
+    whole = [0] * len(trainable)  # whole-tensor ownership: state bytes of one virtual
+    costs = [0.0] * len(layout.virtuals)
     for group in groups:
         if not group.members:
             continue
-        state = probe_state(cls, group.hyper, kwargs, torch.device("cpu"))
+        c = group.cls or cls
+        defaults = kwargs if c is cls else {}
+        if owners is None:
+            state = probe_state(c, group.hyper, defaults, torch.device("cpu"))
         for t in group.members:
+            if owners is not None:
+                shape = virtual_shape(trainable[t])
+                specs = probe_state_shaped(c, group.hyper, defaults, torch.device("cpu"), shape)
+                whole[t] = sum(math.prod(s.shape or ()) * s.dtype.itemsize
+                               for s in specs.values())
+                for v in layout.entry_virtuals[t]:
+                    costs[v] = optimizer_cost(f"{c.__module__}.{c.__qualname__}", group.hyper,
+                                              shape)
+                continue
             per_element[t] = sum(s.dtype.itemsize for s in state.values() if s.kind == ELEMENTWISE)
             per_slot[t] = sum(s.dtype.itemsize for s in state.values() if s.kind != ELEMENTWISE)
     ranks = []
@@ -109,17 +141,20 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
         numel = sum(s.numel for s in slots)
         low = sum(s.numel for s, t in zip(slots, entry)
                   if trainable[t].param.dtype != torch.float32)
-        state_bytes = sum(per_element[t] * s.numel + per_slot[t] for s, t in zip(slots, entry))
+        state_bytes = sum(per_element[t] * s.numel + per_slot[t] + whole[t]
+                          for s, t in zip(slots, entry))
         ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
     elements = sum(e.param.numel() for e in trainable)
     ddp = sum(e.param.numel() * e.param.element_size() * (1 + per_element[t] // 4)
-              + per_slot[t] for t, e in enumerate(trainable))
+              + per_slot[t] + whole[t] * (e.num_experts or 1) for t, e in enumerate(trainable))
     model_params = [p for p in model.parameters() if p.requires_grad]
     model_elements = sum(p.numel() for p in model_params)
     zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))
                 for p in model_params)
     return MemoryPlan(world_size, len(entries), len(layout.virtuals), elements, model_elements,
-                      ranks, ddp, zero2, -(-sum(r.total for r in ranks) // world_size))
+                      ranks, ddp, zero2, -(-sum(r.total for r in ranks) // world_size),
+                      config.partition,
+                      balance(costs, owners, world_size) if owners is not None else 1.0)
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -162,7 +197,8 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
 
 
 _OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}),
-               "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
+               "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+               "muon": (torch.optim.Muon, {}), "adafactor": (torch.optim.Adafactor, {})}
 
 
 def _mib(n: int) -> str:
@@ -174,7 +210,8 @@ def _mib(n: int) -> str:
 
 def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | None = None,
              optimizer: str = "adamw", expert_dim: int | None = None,
-             modules: list[str] | None = None, bucket_mb: float = 25.0) -> int:
+             modules: list[str] | None = None, bucket_mb: float = 25.0,
+             partition: str = "chunks") -> int:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype is not None and dtype not in dtypes or optimizer not in _OPTIMIZERS:
         raise ConfigError(f"--dtype {dtype!r} / --optimizer {optimizer!r}: expected one of "
@@ -183,10 +220,18 @@ def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | Non
     built = sorted({str(p.dtype).replace("torch.", "") for p in net.parameters()})
     dtype = "/".join(built) + ("" if dtype is not None else " (as built; --dtype to cast)")
     cls, kwargs = _OPTIMIZERS[optimizer]
-    plan = plan_memory(net, SelZeroConfig(params=params, modules=modules or [],
-                                          expert_dim=expert_dim, bucket_mb=bucket_mb),
-                       world_size, cls, kwargs)
-    print(f"selzero plan: {model}, {dtype}, {cls.__name__}, {world_size} rank(s)")
+    config = SelZeroConfig(params=params, modules=modules or [], expert_dim=expert_dim,
+                           bucket_mb=bucket_mb, partition=partition)
+    if cls is torch.optim.Muon:  # Muon on the matrices, AdamW on the rest (the usual pairing)
+        vectors = _non_matrices(net, config)
+        if vectors:
+            config = SelZeroConfig.from_dict({**config.to_dict(), "param_groups": [
+                {"params": vectors, "optimizer": "torch.optim.AdamW"}]})
+    plan = plan_memory(net, config, world_size, cls, kwargs)
+    pairing = " (AdamW for the tensors that are not matrices)" \
+        if cls is torch.optim.Muon and config.param_groups else ""
+    print(f"selzero plan: {model}, {dtype}, {cls.__name__}{pairing}, {world_size} rank(s), "
+          f"partition={partition}")
     print(f"  selected: {plan.selected} tensor(s), {plan.virtual} virtual parameter(s), "
           f"{plan.elements:,} elements ({plan.elements / max(plan.model_elements, 1):.1%} of the "
           f"model's {plan.model_elements:,} trainable)")
@@ -196,6 +241,8 @@ def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | Non
     for r in shown:
         print(f"  {r.rank:>6} {_mib(r.grad_shard):>14} {_mib(r.optimizer_state):>16} "
               f"{_mib(r.master):>14} {_mib(r.total):>14}")
+    if plan.partition == "tensors":
+        print(f"  whole tensors per rank: optimizer-work balance (max/mean) {plan.balance:.3f}")
     top = max(r.total for r in plan.ranks)
     print(f"  per rank, the subset: selzero {_mib(top)} (largest rank; even split "
           f"{_mib(plan.ideal_total)}) vs DDP {_mib(plan.ddp_subset)} "
@@ -203,3 +250,10 @@ def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | Non
     print(f"  per rank, ZeRO-2 over the whole model (DeepSpeed: FP32 grads, masters, Adam): "
           f"{_mib(plan.zero2_model)}")
     return 0
+
+
+def _non_matrices(model: nn.Module, config: SelZeroConfig) -> list[str]:
+    """Names of the selected tensors whose (virtual) shape is not 2-D."""
+    entries = resolve_selection(model, params=list(config.params), modules=list(config.modules),
+                                expert_dim=config.expert_dim)
+    return [e.name for e in entries if not e.frozen and len(virtual_shape(e)) != 2]

@@ -28,11 +28,14 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW-other-lr": (torch.optim.AdamW, {"lr": 0.5, "weight_decay": 0.0}),
     # whole-tensor ownership (partition="tensors"); 1-D tensors go to a group of their own
     "Muon": (torch.optim.Muon, {"lr": 0.02, "weight_decay": 0.1}),
+    "Muon-ns2": (torch.optim.Muon, {"lr": 0.02, "weight_decay": 0.1, "ns_steps": 2}),
     "Adafactor": (torch.optim.Adafactor, {"lr": 1e-2, "weight_decay": 0.01}),
     "AdamW-tensors": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
 }
 TENSORS: dict[str, dict[str, Any]] = {
     "Muon": {"partition": "tensors", "param_groups": [
+        {"params": ["*bias*", "*gain*"], "optimizer": "torch.optim.AdamW", "lr": 1e-2}]},
+    "Muon-ns2": {"partition": "tensors", "param_groups": [
         {"params": ["*bias*", "*gain*"], "optimizer": "torch.optim.AdamW", "lr": 1e-2}]},
     "Adafactor": {"partition": "tensors"},
     "AdamW-tensors": {"partition": "tensors"},

@@ -128,7 +128,8 @@ def train_deepspeed(rank: int, world: int, stage: int, bf16: bool, *, steps: int
     ds_groups = {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]}
     for groups in (getattr(engine.optimizer, "fp32_groups", None) or []):  # wrappers' own lists
         ds_groups |= {id(p) for p in groups if isinstance(p, torch.Tensor)}
-    steps_taken = sorted({float(st["step"]) for st in sz.optimizer.state.values()})
+    steps_taken = sorted({float(st["step"]) for st in sz.optimizer.state.values()
+                          if "step" in st})
     return {"params": params, "norms": norms, "stage": stage, "lrs": lrs,
             "applied": applied, "moved": moved,
             "last_result": None if engine.selzero_step_result is None
@@ -199,6 +200,40 @@ def reference(world: int, steps: int, *, clip: float = CLIP, groups: Any = True,
                                [p.grad for p in model.parameters() if p.grad is not None])))
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+MUON_LR = 0.02
+TENSORS_ENTRY = {"params": SELECT, "bucket_mb": 1e-4, "partition": "tensors"}
+MUON_ENTRY = {**TENSORS_ENTRY, "param_groups": [
+    {"params": ["*.weight"], "optimizer": "torch.optim.Muon", "lr": MUON_LR,
+     "weight_decay": 0.05}]}
+
+
+def reference_muon(world: int, steps: int, *, lrs: list[float] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process: torch Muon on the expert matrices (its lr following DeepSpeed's schedule
+    factor), AdamW on the rest, clip_grad_norm_ over everything, on the mean over ranks and
+    micro-batches."""
+    model = build_model()
+    named = list(model.named_parameters())
+    mats = [p for n, p in named if ".experts." in n and n.endswith(".weight")]
+    ids = {id(p) for p in mats}
+    muon = torch.optim.Muon(mats, lr=MUON_LR, weight_decay=0.05)
+    adamw = torch.optim.AdamW([p for _, p in named if id(p) not in ids], lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(steps):
+        if lrs is not None:
+            adamw.param_groups[0]["lr"] = lrs[step]
+            muon.param_groups[0]["lr"] = MUON_LR * lrs[step] / LR
+        loss = sum(block_loss(model, step * GAS + m, r, layers=LAYERS)
+                   for m in range(GAS) for r in range(world)) / (GAS * world)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        muon.step()
+        adamw.step()
+        muon.zero_grad(set_to_none=True)
+        adamw.zero_grad(set_to_none=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 

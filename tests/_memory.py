@@ -106,10 +106,10 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
     buffers: list[StorageWeakRef] = []
     reduce_scatter = sz.comm.reduce_scatter_rows
 
-    def tracking_reduce_scatter(buffer: torch.Tensor) -> Any:
+    def tracking_reduce_scatter(buffer: torch.Tensor, *args: Any) -> Any:
         storage = buffer.untyped_storage()
         buffers.append((StorageWeakRef(storage), storage.data_ptr()))
-        return reduce_scatter(buffer)
+        return reduce_scatter(buffer, *args)
 
     sz.comm.reduce_scatter_rows = tracking_reduce_scatter
     in_backward: list[int] = []

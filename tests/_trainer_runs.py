@@ -49,6 +49,8 @@ def config_of(variant: str) -> dict | None:
         return None
     if variant == "sz-norms":  # also the RMSNorm weights, in the Trainer's no-decay group
         return {"params": [*SELECT, "*layernorm.weight"], "bucket_mb": 0.01}
+    if variant == "sz0-tensors":  # whole-tensor ownership: each expert whole on one rank
+        return {"params": SELECT, "bucket_mb": 0.01, "expert_dim": 0, "partition": "tensors"}
     return {"params": SELECT, "bucket_mb": 0.01,
             **({"expert_dim": 0} if variant.endswith("sz0") else {})}
 

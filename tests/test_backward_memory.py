@@ -8,7 +8,9 @@ pool in.
 The measurement is the allocator's (``selzero_plugin.memtrace``): every allocation and free on
 the training thread during ``loss.backward()``, whoever made it (selzero, autograd, DDP, a
 collective's own copy). The model has 4 blocks (units) of 4 experts; the bucket size is one
-block's padded FP32 experts, so the subset spans 4 buckets. Routing differs by rank and leaves
+block's padded FP32 experts, so the subset spans 4 buckets. The same holds under whole-tensor
+ownership (``partition="tensors"``): no full-size gradient of a tensor a rank does not own
+outlives its bucket. Routing differs by rank and leaves
 some experts without tokens. A mutation that keeps a copy of every bucket must fail the bound.
 """
 
@@ -39,20 +41,23 @@ def _keep_every_bucket(sz: SelectedZero2) -> list[torch.Tensor]:
     kept: list[torch.Tensor] = []
     launch = sz.comm.reduce_scatter_rows
 
-    def keeping(buffer: torch.Tensor) -> Any:
+    def keeping(buffer: torch.Tensor, *args: Any) -> Any:
         kept.append(buffer.clone())
-        return launch(buffer)
+        return launch(buffer, *args)
 
     sz.comm.reduce_scatter_rows = keeping
     return kept
 
 
-def backward_memory_run(rank: int, world: int, mutation: bool = False) -> dict[str, Any]:
+def backward_memory_run(rank: int, world: int, mutation: bool = False,
+                        partition: str = "chunks") -> dict[str, Any]:
     torch.manual_seed(0)
     model = BlockMoE(layers=LAYERS, num_experts=EXPERTS, d=D, h=H)
     bucket = _padded_fp32_bytes(model.blocks[0].experts.parameters(), world)
+    if partition == "tensors":  # whole tensors, uneven rows: a bucket is its real elements
+        bucket = sum(p.numel() * 4 for p in model.blocks[0].experts.parameters())
     sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"],
-                                            bucket_mb=bucket / 2 ** 20),
+                                            bucket_mb=bucket / 2 ** 20, partition=partition),
                        torch.optim.SGD, {"lr": 0.1})
     selected = {id(e.param) for e in sz.entries}
     host = torch.optim.SGD([p for p in model.parameters() if id(p) not in selected], lr=0.1)
@@ -81,9 +86,12 @@ def _host_grad_bytes() -> int:
     return sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[(w, p) for p in ("chunks", "tensors") for w in (2, 3)],
+                ids=lambda c: f"world{c[0]}-{c[1]}")
 def measured(request):
-    return request.param, all_values(run_ranks(backward_memory_run, request.param, timeout=120))
+    world, partition = request.param
+    return world, all_values(run_ranks(backward_memory_run, world, False, partition,
+                                       timeout=120))
 
 
 def test_the_subset_spans_four_buckets(measured):
@@ -115,8 +123,9 @@ def test_no_full_size_gradient_is_held_at_the_end_of_backward(measured):
             assert f["net"] <= _host_grad_bytes() + run["bucket"] // 10, (rank, step, f)
 
 
-def test_the_measurement_sees_a_copy_of_every_bucket():
+@pytest.mark.parametrize("partition", ["chunks", "tensors"])
+def test_the_measurement_sees_a_copy_of_every_bucket(partition):
     """The bound above can fail: keeping a full FP32 copy of each bucket breaks it."""
-    runs = all_values(run_ranks(backward_memory_run, 2, True, timeout=120))
+    runs = all_values(run_ranks(backward_memory_run, 2, True, partition, timeout=120))
     for run in runs:
         assert all(f["peak"] > _bound(run) for f in run["figures"]), run

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from ._deepspeed import LR, build_model, ds_config, reference, train_deepspeed
+from ._deepspeed import (LR, MUON_ENTRY, TENSORS_ENTRY, build_model, ds_config, reference,
+                         reference_muon, train_deepspeed)
 from .dist_utils import all_values, run_ranks
 
 pytest.importorskip("deepspeed")
@@ -53,6 +54,14 @@ def _batched_calls(save_dir: str) -> dict[str, tuple[tuple, dict]]:
         "style-torch": ((2, False), {"steps": STEPS, "style": "torch"}),
         "style-boundary": ((2, False), {"steps": STEPS, "style": "boundary"}),
         "nonfinite": ((2, False), {"steps": 3, "poison_step": 1}),
+        # whole-tensor ownership through the entry (issue 12)
+        "tensors-adamw": ((2, False), {"steps": STEPS, "config_changes": {
+            "selected_zero2": TENSORS_ENTRY}}),
+        "tensors-muon": ((1, False), {"steps": 5, "scheduler": SCHEDULER, "config_changes": {
+            "selected_zero2": MUON_ENTRY}}),
+        "tensors-muon-fused-adam": ((2, False), {"steps": 4, "config_changes": {
+            "selected_zero2": MUON_ENTRY,
+            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.1}}}}),
     })
     return calls
 
@@ -414,3 +423,41 @@ def test_follows_deepspeeds_skip_on_a_non_finite_gradient(batch):
         assert all(math.isfinite(float(v.abs().max())) for v in run["params"].values())
     assert torch.equal(runs[0]["params"]["blocks.0.experts.0.w1.weight"],
                        runs[1]["params"]["blocks.0.experts.0.w1.weight"])
+
+
+def test_partition_tensors_through_the_entry_equals_plain_adamw(ref, batch):
+    """The same math as chunks for an elementwise optimizer: whole tensors, one owner each."""
+    _check(batch["tensors-adamw"], ref, bf16=False)
+
+
+# Muon's Newton-Schulz iteration runs in bf16, so a last-bit difference in a gradient can flip
+# a bf16 rounding and move a weight by up to ~lr * 2^-8 per step. With DeepSpeed's own Adam
+# kernel on the host's parameters (its FusedAdam on CPU, replaced by torch's AdamW for the
+# subset only) the host's weights differ from torch AdamW's by ~1e-7, and that reaches the
+# expert gradients; there the Muon matrices get this tolerance. With a mirrored torch optimizer
+# the arithmetic is the reference's and everything holds 1e-6 (measured 3e-8).
+MUON_TOLERANCE = 5e-3
+
+
+@pytest.mark.parametrize("case", ["tensors-muon", "tensors-muon-fused-adam"])
+def test_muon_on_the_expert_matrices_through_the_entry(batch, case):
+    """A param group naming torch.optim.Muon in the selected_zero2 block: Muon on the experts'
+    matrices, DeepSpeed's AdamW (mirrored, or its FusedAdam replaced by torch's) on the rest;
+    the Muon group's lr follows DeepSpeed's LR schedule (warm-up from 0) by the same factor."""
+    runs = batch[case]
+    lrs = runs[0]["lrs"]
+    ref, norms = reference_muon(2, len(lrs), lrs=lrs if case == "tensors-muon" else None)
+    if case == "tensors-muon":
+        assert len(set(lrs)) >= 3 and lrs[0] == 0.0, lrs
+    for run in runs:
+        assert run["subset_optimizer"] == "MultiOptimizer"
+        muon_group = run["subset_hyper"][-1]
+        assert muon_group["lr"] == pytest.approx(0.02 * run["lrs"][-1] / LR, rel=1e-12)
+        assert muon_group["weight_decay"] == 0.05
+        for name, value in ref.items():
+            muon = ".experts." in name and name.endswith(".weight")
+            tol = MUON_TOLERANCE if muon and case == "tensors-muon-fused-adam" else 1e-6
+            assert torch.allclose(run["params"][name], value, atol=tol, rtol=0), \
+                (case, name, (run["params"][name] - value).abs().max().item())
+        for got, want in zip(run["norms"], norms):
+            assert abs(got - want) <= (1e-6 if case == "tensors-muon" else 1e-3) * max(1.0, want)

@@ -50,6 +50,30 @@ def test_gather_is_bitwise_and_reduce_gives_each_rank_its_row(world: int) -> Non
         assert reduced
 
 
+def _uneven(rank: int, world: int, rows: tuple[int, ...]) -> tuple[bool, bool]:
+    """Uneven rows (whole-tensor ownership), an empty one among them."""
+    comm = Communicator.create(list(range(world)), timeout_s=60, device=torch.device("cpu"))
+    total = sum(rows)
+    starts = [sum(rows[:r]) for r in range(world)]
+    gathered = torch.full((total,), 7.0)
+    mine = _row(rank, max(rows[rank], 16))[:rows[rank]]
+    gathered[starts[rank]:starts[rank] + rows[rank]] = mine
+    comm.all_gather_rows_(gathered, rows).wait()
+    expected = torch.cat([_row(r, max(rows[r], 16))[:rows[r]] for r in range(world)])
+    bits_equal = torch.equal(gathered.view(torch.int32), expected.view(torch.int32))
+    buffers = [torch.randn(total, generator=torch.Generator().manual_seed(r))
+               for r in range(world)]
+    reduced = comm.reduce_scatter_rows(buffers[rank].clone(), rows).wait()
+    want = sum(buffers)[starts[rank]:starts[rank] + rows[rank]]
+    return bits_equal, reduced.shape == want.shape and torch.allclose(reduced, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [(5, 0, 11), (0, 9, 3), (4, 4, 4)])
+def test_uneven_rows_gather_bitwise_and_reduce_to_their_owner(rows) -> None:
+    for bits_equal, reduced in all_values(run_ranks(_uneven, 3, rows, timeout=120)):
+        assert bits_equal and reduced
+
+
 @pytest.mark.parametrize("value", _SPECIAL[1:4])
 @pytest.mark.parametrize("where", [0, 4_000, 9_999])
 def test_nonfinite_found_anywhere(value: float, where: int) -> None:

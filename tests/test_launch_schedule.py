@@ -27,11 +27,12 @@ LAYERS = 3
 
 
 def timeline_run(rank: int, world: int, overlap: bool, bucket_mb: float,
-                 pattern: str) -> list[Any]:
+                 pattern: str, partition: str = "chunks") -> list[Any]:
     torch.manual_seed(0)
     model = BlockMoE(layers=LAYERS)
     sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"], bucket_mb=bucket_mb,
-                                            overlap=overlap), torch.optim.SGD, {"lr": 0.1})
+                                            overlap=overlap, partition=partition),
+                       torch.optim.SGD, {"lr": 0.1})
     selected = {id(e.param) for e in sz.entries}
     host = torch.optim.SGD([p for p in model.parameters() if id(p) not in selected], lr=0.1)
     ddp = wrap_ddp(model, sz, bucket_cap_mb=1e-6)  # about one DDP bucket per dense tensor
@@ -55,20 +56,24 @@ def timeline_run(rank: int, world: int, overlap: bool, bucket_mb: float,
     return timeline
 
 
-CASES = [(overlap, bucket_mb) for overlap in (True, False) for bucket_mb in (1e-4, 25.0)]
+CASES = [(overlap, bucket_mb, partition) for overlap in (True, False)
+         for bucket_mb in (1e-4, 25.0) for partition in ("chunks", "tensors")]
 
 
 def _all_cases(rank: int, world: int) -> dict[Any, Any]:
-    return {case: capture(lambda: timeline_run(rank, world, *case, "skewed")) for case in CASES}
+    return {case: capture(lambda: timeline_run(rank, world, *case[:2], "skewed", case[2]))
+            for case in CASES}
 
 
 _outcomes = cached_outcomes(_all_cases, 2, timeout=120)
 
 
+@pytest.mark.parametrize("partition", ["chunks", "tensors"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
 @pytest.mark.parametrize("bucket_mb", [1e-4, 25.0], ids=["bucket_per_tensor", "one_bucket"])
-def test_selzero_and_host_collectives_interleave_the_same_way_on_every_rank(overlap, bucket_mb):
-    timelines = value_of(_outcomes(), (overlap, bucket_mb))
+def test_selzero_and_host_collectives_interleave_the_same_way_on_every_rank(overlap, bucket_mb,
+                                                                           partition):
+    timelines = value_of(_outcomes(), (overlap, bucket_mb, partition))
     assert timelines[0] == timelines[1]
     launched_in_backward = [
         op for t in [timelines[0]] for op in t[t.index(("backward",)):t.index(("backward returned",))]
@@ -79,7 +84,7 @@ def test_selzero_and_host_collectives_interleave_the_same_way_on_every_rank(over
 
 def test_the_instrument_records_every_ddp_bucket_and_reduce_scatter():
     """The timeline sees both schedules: several DDP buckets and reduce-scatters per step."""
-    timelines = value_of(_outcomes(), (True, 1e-4))
+    timelines = value_of(_outcomes(), (True, 1e-4, "chunks"))
     for t in timelines:
         assert sum(op[0] == "ddp" for op in t) > 3 * 3
         assert sum(op[0] == "reduce_scatter" for op in t) > 3 * 3

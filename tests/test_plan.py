@@ -44,12 +44,21 @@ class Net(nn.Module):
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-3}),
               "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
               # param groups change the state of some slots (amsgrad: one more tensor)
-              "adamw-groups": (torch.optim.AdamW, {"lr": 1e-3})}
+              "adamw-groups": (torch.optim.AdamW, {"lr": 1e-3}),
+              # whole-tensor ownership: Muon on the matrices (bf16 fused experts: masters),
+              # AdamW on the biases; Adafactor's factored state
+              "muon-tensors": (torch.optim.Muon, {"lr": 0.02}),
+              "adafactor-tensors": (torch.optim.Adafactor, {"lr": 1e-2})}
 
 
 def _config(optimizer: str) -> dict:
     if optimizer == "adamw-groups":
         return {**CONFIG, "param_groups": [{"params": ["*.bias"], "amsgrad": True}]}
+    if optimizer == "muon-tensors":
+        return {**CONFIG, "partition": "tensors", "param_groups": [
+            {"params": ["*.bias"], "optimizer": "torch.optim.AdamW"}]}
+    if optimizer == "adafactor-tensors":
+        return {**CONFIG, "partition": "tensors"}
     return CONFIG
 
 
@@ -66,7 +75,8 @@ def _measured(rank: int, world: int, optimizer: str) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adamw-groups"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adamw-groups", "muon-tensors",
+                                       "adafactor-tensors"])
 def test_plan_equals_the_measured_report_on_every_rank(optimizer):
     cls, kwargs = OPTIMIZERS[optimizer]
     with torch.device("meta"):

@@ -197,8 +197,9 @@ def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], stag
         "contract": {"entries": run.entries, "chunking": OWNERSHIP if owned else CHUNKING},
         "virtuals": virtuals,
         # hyperparameters as the optimizer used them last (defaults filled in, scheduled lr)
+        # a group with an optimizer class of its own records it ("class")
         "optimizer": {"class": run.optimizer_class, "param_groups": [
-            {"class": cls,
+            {**({"class": cls} if cls != run.optimizer_class else {}),
              "hyperparameters": jsonable({k: v for k, v in group.items() if k != "params"}),
              "state": {k: s.to_json() for k, s in sorted(state.items())}}
             for group, state, cls in zip(view.optimizer.param_groups,

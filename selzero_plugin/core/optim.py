@@ -104,25 +104,37 @@ def check_admitted(cls: type, *, partition: str, extra_elementwise: list[str],
     check_elementwise(cls, extra_elementwise, partition=partition)
 
 
+# whole tensors are not enough for these: their update spans parameters or sparse tensors
+_BEYOND_TENSORS = ("LBFGS", "SparseAdam")
+
+
 def check_elementwise(cls: type, extra: list[str], *, partition: str = "chunks") -> None:
     """Refuse optimizers whose update needs whole tensors; admit the allowlist and ``extra``."""
     if cls in ELEMENTWISE or _listed(cls, extra):
         return
     why = _WHY_REFUSED.get(cls.__name__)
+    if why is not None and cls.__name__ in _BEYOND_TENSORS:
+        raise OptimizerNotSupportedError(
+            f"optimizer {qualified_name(cls)} cannot run on selzero's shards: {why}, and each "
+            "rank holds only a slice of every tensor (partition='chunks') or some whole tensors "
+            "(partition='tensors'), never all of them. Use an elementwise optimizer (AdamW, "
+            "Adam, SGD, ...) for the selected parameters, or leave them out of selzero's "
+            "`params` so the host strategy keeps them.")
     if why is not None and partition != "tensors":
         raise OptimizerNotSupportedError(
             f"optimizer {qualified_name(cls)} cannot run on selzero's flat chunks: {why}, and "
             "with partition='chunks' each rank holds only a slice of every tensor. Set "
-            "partition='tensors' (each rank then owns whole tensors and runs "
-            f"{cls.__name__} on them unmodified; torch.optim.Muon and Adafactor are admitted, "
-            "other classes through extra_matrix_optimizers), or use an elementwise optimizer "
-            "(AdamW, Adam, SGD, ...) for the selected parameters.")
+            "partition='tensors': each rank then owns whole tensors and runs "
+            f"{cls.__name__} on them unmodified (torch.optim.Muon and Adafactor are admitted "
+            "as they are, other classes through extra_matrix_optimizers). Use an elementwise "
+            "optimizer (AdamW, Adam, SGD, ...) otherwise, or leave the parameters out of "
+            "selzero's `params` so the host strategy keeps them.")
     if why is not None:
         raise OptimizerNotSupportedError(
-            f"optimizer {qualified_name(cls)} needs {why.split(' ', 1)[0]} more than whole "
-            f"tensors ({why}); selzero admits torch.optim.Muon and Adafactor under "
-            "partition='tensors', and other classes whose update needs only each tensor whole "
-            f"through extra_matrix_optimizers (add {qualified_name(cls)!r} if that holds).")
+            f"optimizer {qualified_name(cls)} is not admitted by default under "
+            f"partition='tensors' ({why}). If its update needs each tensor whole and nothing "
+            f"more, add {qualified_name(cls)!r} to `extra_matrix_optimizers`; torch.optim.Muon "
+            "and Adafactor are admitted as they are.")
     raise OptimizerNotSupportedError(
         f"optimizer {qualified_name(cls)} is not known to be elementwise, and selzero runs the "
         "update on flat slices of each tensor. Known: "
@@ -296,6 +308,11 @@ class SegmentOptimizer:
                        if plan.cls is not None and plan.cls is not cls
                        and isinstance(plan.hyper.get("lr"), (int, float))}
         self.base_lr = self._main_lr(initial=True)
+        self.base_given = False
+
+    def set_schedule_base(self, lr: float) -> None:
+        """The main lr the schedule factor is taken against (a host scheduler's peak)."""
+        self.base_lr, self.base_given = float(lr), True
 
     def _main_lr(self, initial: bool = False) -> float | None:
         group = self.optimizer.param_groups[self.main]
@@ -322,7 +339,7 @@ class SegmentOptimizer:
                                              or self.plans[g].cls is self.cls):
                     groups[g]["lr"] = lr
         if self.own_lr and (lr is not None or self.host is not None):
-            if self.host is not None and "initial_lr" in \
+            if self.host is not None and not self.base_given and "initial_lr" in \
                     self.host.param_groups[self.plans[self.main].host_group or 0]:
                 self.base_lr = self._main_lr(initial=True)  # a scheduler made after selzero
             now, base = self._main_lr(), self.base_lr

@@ -45,7 +45,7 @@ from .view import Chunk, ShardView
 from .window import ReductionWindow, WindowState
 
 __all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io",
-           "owning_instance"]
+           "owning_instance", "plan_virtual_owners", "probe_groups", "virtual_shape"]
 
 
 class CheckpointIO(Protocol):
@@ -144,8 +144,8 @@ class SelectedZero2:
         self.owners: list[int] | None = None
         """Whole-tensor ownership: the owning group rank of each virtual parameter."""
         if config.partition == "tensors":
-            _probe_groups(trainable, self._plans, self._opt_cls, self._defaults)
-            self.owners = _plan_owners(trainable, self._plans, self._opt_cls, len(ranks))
+            probe_groups(trainable, self._plans, self._opt_cls, self._defaults)
+            self.owners = plan_virtual_owners(trainable, self._plans, self._opt_cls, len(ranks))
         self.layout: Layout = plan_layout(
             [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1) for e in trainable],
             len(ranks), int(config.bucket_mb * 2 ** 20), owners=self.owners)
@@ -339,6 +339,17 @@ class SelectedZero2:
     def state_parameter_count(self) -> int:
         """Segments (selected virtual parameters) with a non-empty chunk on this rank."""
         return len(self.storage.segments)
+
+    def set_schedule_base(self, lr: float) -> None:
+        """Param groups that name an optimizer class of their own follow the main lr's schedule
+        by its factor, the main lr now over ``lr`` ([Note: param groups with their own
+        optimizer]); by default ``lr`` is the main lr at construction, or the host group's
+        ``initial_lr`` once a torch LR scheduler set it. Integrations whose scheduler starts
+        below its peak (DeepSpeed's warm-up) pass the peak here."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ConfigError(f"set_schedule_base(lr={lr!r}): expected a positive learning rate "
+                              "(the main groups' peak).")
+        self.segment_optimizer.set_schedule_base(lr)
 
     def virtual_name(self, i: int) -> str:
         """``name`` or ``name[expert e]`` of virtual parameter i (as messages spell it)."""
@@ -625,13 +636,13 @@ def _is_expert_groups(group: Any) -> bool:
     return all(hasattr(group, a) for a in ("expert_data_parallel", "ep_rank", "ep_size"))
 
 
-def _virtual_shape(entry: SelectedEntry) -> tuple[int, ...]:
+def virtual_shape(entry: SelectedEntry) -> tuple[int, ...]:
     shape = tuple(entry.param.shape)
     return shape[1:] if entry.num_experts else shape
 
 
-def _plan_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
-                 world: int) -> list[int]:
+def plan_virtual_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
+                        world: int) -> list[int]:
     """[Note: ownership plan] (ownership.py): LPT on each virtual parameter's cost under the
     optimizer class of its group, experts of one fused tensor in contiguous blocks."""
     group_of = {t: g for g, plan in enumerate(plans) for t in plan.members}
@@ -639,7 +650,7 @@ def _plan_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: ty
     runs: list[list[int]] = []
     for t, entry in enumerate(trainable):
         plan = plans[group_of[t]]
-        cost = optimizer_cost(qualified_name(plan.cls or cls), plan.hyper, _virtual_shape(entry))
+        cost = optimizer_cost(qualified_name(plan.cls or cls), plan.hyper, virtual_shape(entry))
         first = len(costs)
         costs += [cost] * (entry.num_experts or 1)
         if entry.num_experts:
@@ -647,7 +658,10 @@ def _plan_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: ty
     return contiguous_runs(plan_owners(costs, world), runs)
 
 
-def _probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
+_DEVICE_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
                   defaults: dict[str, Any]) -> None:
     """Under whole-tensor ownership each rank builds its optimizers over the tensors it owns
     only, so an optimizer that refuses a tensor (Muon and a 1-D bias) would raise on its owner
@@ -657,12 +671,15 @@ def _probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: t
         c = plan.cls or cls
         seen: dict[tuple[int, ...], SelectedEntry] = {}
         for t in plan.members:
-            seen.setdefault(_virtual_shape(trainable[t]), trainable[t])
+            seen.setdefault(virtual_shape(trainable[t]), trainable[t])
+        # device-specific kernels (fused, foreach, capturable) are not what is probed here:
+        # a storage-free tensor would fail their device check
+        hyper = {k: v for k, v in plan.hyper.items() if k not in _DEVICE_FLAGS}
+        base = {k: v for k, v in (defaults if c is cls else {}).items() if k not in _DEVICE_FLAGS}
         for shape, entry in seen.items():
             probe = nn.Parameter(torch.empty(shape, device="meta"))
             try:
-                build_optimizer(c, [GroupPlan(dict(plan.hyper), [])], [[probe]],
-                                defaults if c is cls else {})
+                build_optimizer(c, [GroupPlan(hyper, [])], [[probe]], base)
             except (ValueError, TypeError, RuntimeError) as e:
                 what = f" (each expert of the fused tensor, shape {list(shape)})" \
                     if entry.num_experts else f" (shape {list(shape)})"

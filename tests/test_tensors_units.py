@@ -1,0 +1,242 @@
+"""partition="tensors" in one process: what is admitted and refused (and how the refusals
+read), param groups with an optimizer class of their own, the schedule factor, the combined
+optimizer (state dict, LR schedulers), and parity with plain torch Muon / Adafactor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from selzero_plugin import SelectedZero2, SelZeroConfig
+from selzero_plugin.errors import ConfigError, OptimizerNotSupportedError, UsageError
+
+from .models import ToyMoE, loss_fn, make_batch
+from .parity import routes_for
+
+OWN_ADAMW = {"params": ["*.bias", "*.gain"], "optimizer": "torch.optim.AdamW", "lr": 3e-3}
+
+
+def _model(seed: int = 0) -> ToyMoE:
+    torch.manual_seed(seed)
+    return ToyMoE(4)
+
+
+def _config(**kw) -> SelZeroConfig:
+    return SelZeroConfig.from_dict({"params": ["experts.*"], "partition": "tensors", **kw})
+
+
+def test_cannot_use_muon_with_chunks_and_the_error_says_partition_tensors():
+    with pytest.raises(OptimizerNotSupportedError, match="Set partition='tensors'") as e:
+        SelectedZero2(_model(), SelZeroConfig(params=["experts.*"]), torch.optim.Muon)
+    assert "torch.optim.Muon" in str(e.value) and "Newton-Schulz" in str(e.value)
+
+
+def test_cannot_give_muon_a_vector_and_the_error_names_the_parameter_and_the_fix():
+    with pytest.raises(ConfigError) as e:
+        SelectedZero2(_model(), _config(), torch.optim.Muon, {"lr": 0.02})
+    message = str(e.value)
+    assert "'experts.0.gain'" in message and "[1]" in message  # the first such parameter
+    assert "Muon only supports 2D parameters" in message  # torch's own reason
+    assert "'optimizer': 'torch.optim.AdamW'" in message  # the fix
+
+
+def test_cannot_name_an_unknown_hyperparameter_for_a_group_of_its_own():
+    bad = {"params": ["*.bias"], "optimizer": "torch.optim.AdamW", "momentum": 0.9}
+    with pytest.raises(ConfigError, match=r"AdamW has no hyperparameter 'momentum'"):
+        SelectedZero2(_model(), _config(param_groups=[bad]), torch.optim.Muon)
+
+
+def test_cannot_name_a_group_optimizer_that_does_not_import():
+    bad = {"params": ["*.bias"], "optimizer": "nowhere.Nothing"}
+    with pytest.raises(ConfigError, match="cannot import"):
+        SelectedZero2(_model(), _config(param_groups=[bad]), torch.optim.Muon)
+
+
+def test_cannot_configure_an_unknown_partition_or_a_non_string_group_optimizer():
+    with pytest.raises(ConfigError, match="partition='rows'.*'chunks', 'tensors'"):
+        SelZeroConfig(params=["*"], partition="rows")
+    with pytest.raises(ConfigError, match=r"param_groups\[0\].optimizer=3"):
+        SelZeroConfig(params=["*"], param_groups=[{"params": ["*"], "optimizer": 3}])
+    env = {"SELZERO_PARAMS": '["*"]', "SELZERO_PARTITION": "tensors",
+           "SELZERO_EXTRA_MATRIX_OPTIMIZERS": '["a.B"]'}
+    config = SelZeroConfig.from_env(env)
+    assert config.partition == "tensors" and config.extra_matrix_optimizers == ["a.B"]
+
+
+class Orthogonal(torch.optim.Optimizer):
+    """A third-party matrix-wise optimizer: each update is the gradient's polar factor."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    u, _, vh = torch.linalg.svd(p.grad.reshape(p.shape[0], -1),
+                                                full_matrices=False)
+                    p.add_((u @ vh).view_as(p), alpha=-group["lr"])
+
+
+def test_extra_matrix_optimizers_admit_a_third_party_class_under_tensors_only():
+    name = f"{__name__}.Orthogonal"
+    with pytest.raises(OptimizerNotSupportedError, match="extra_matrix_optimizers"):
+        SelectedZero2(_model(), _config(), Orthogonal)  # not listed
+    with pytest.raises(OptimizerNotSupportedError, match="partition='tensors'"):
+        SelectedZero2(_model(), SelZeroConfig(params=["experts.*"],
+                                              extra_matrix_optimizers=[name]), Orthogonal)
+    model, ref = _model(), _model()
+    sz = SelectedZero2(model, _config(extra_matrix_optimizers=[name]), Orthogonal)
+    experts = [p for n, p in ref.named_parameters() if n.startswith("experts.")]
+    opt = Orthogonal(experts)
+    _train_both(model, sz, ref, [opt])
+    _assert_experts_equal(model, ref)
+
+
+def _train_both(model, sz, ref, opts, steps: int = 5, lr=None):
+    for s in range(steps):
+        x, y = make_batch(s, 0)
+        r = routes_for(s, 0, 6, 4)
+        loss_fn(model, x, y, r).backward()
+        sz.step(lr=None if lr is None else lr(s))
+        for p in model.parameters():
+            p.grad = None
+        loss_fn(ref, x, y, r).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+
+def _assert_experts_equal(model, ref):
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        if n.startswith("experts."):
+            assert torch.equal(a, b), (n, (a - b).abs().max().item())
+
+
+def test_muon_with_adamw_for_the_vectors_is_bit_identical_to_torch_in_one_process():
+    model, ref = _model(), _model()
+    sz = SelectedZero2(model, _config(param_groups=[OWN_ADAMW]), torch.optim.Muon,
+                       {"lr": 0.02, "weight_decay": 0.1})
+    named = [(n, p) for n, p in ref.named_parameters() if n.startswith("experts.")]
+    muon = torch.optim.Muon([p for _, p in named if p.ndim == 2], lr=0.02, weight_decay=0.1)
+    adamw = torch.optim.AdamW([p for _, p in named if p.ndim != 2], lr=3e-3)
+    _train_both(model, sz, ref, [muon, adamw])
+    _assert_experts_equal(model, ref)
+    # the segments of whole-tensor ownership are the tensors in their own shapes
+    assert sorted({tuple(s.shape) for s in sz.segments}) == [(1,), (7,), (7, 13), (13,), (13, 7)]
+
+
+def test_adafactor_is_bit_identical_to_torch_in_one_process():
+    model, ref = _model(), _model()
+    sz = SelectedZero2(model, _config(), torch.optim.Adafactor, {"lr": 1e-2})
+    opt = torch.optim.Adafactor([p for n, p in ref.named_parameters()
+                                 if n.startswith("experts.")], lr=1e-2)
+    _train_both(model, sz, ref, [opt])
+    _assert_experts_equal(model, ref)
+    stepped = [sz.optimizer.state[s] for s in sz.segments
+               if tuple(s.shape) == (13, 7) and s in sz.optimizer.state]
+    assert stepped and all(st["row_var"].shape == (13, 1) and st["col_var"].shape == (1, 7)
+                           for st in stepped)
+
+
+def test_a_group_of_its_own_takes_its_own_hyperparameters_and_the_class_defaults():
+    sz = SelectedZero2(_model(), _config(param_groups=[OWN_ADAMW]), torch.optim.Muon,
+                       {"lr": 0.02, "weight_decay": 0.2, "eps": 1e-5})
+    main, own = sz.optimizer.param_groups
+    assert main["weight_decay"] == 0.2 and main["eps"] == 1e-5
+    assert own["lr"] == 3e-3 and own["weight_decay"] == 0.01 and own["eps"] == 1e-8  # AdamW's
+    assert type(sz.optimizer).__name__ == "MultiOptimizer"
+    assert [type(o).__name__ for o in sz.optimizer.optimizers] == ["Muon", "AdamW"]
+
+
+def test_step_lr_sets_the_main_groups_and_scales_groups_of_their_own_by_the_same_factor():
+    model, ref = _model(), _model()
+    sz = SelectedZero2(model, _config(param_groups=[OWN_ADAMW]), torch.optim.Muon,
+                       {"lr": 0.02})
+    named = [(n, p) for n, p in ref.named_parameters() if n.startswith("experts.")]
+    muon = torch.optim.Muon([p for _, p in named if p.ndim == 2], lr=0.02)
+    adamw = torch.optim.AdamW([p for _, p in named if p.ndim != 2], lr=3e-3)
+    factors = [1.0, 0.5, 0.25, 0.5, 0.1]
+
+    def lr(s):
+        for o, base in ((muon, 0.02), (adamw, 3e-3)):
+            o.param_groups[0]["lr"] = base * factors[s]
+        return 0.02 * factors[s]
+
+    _train_both(model, sz, ref, [muon, adamw], lr=lr)
+    _assert_experts_equal(model, ref)
+    assert sz.optimizer.param_groups[1]["lr"] == pytest.approx(3e-3 * 0.1)
+
+
+def test_a_host_instance_may_sit_beside_groups_of_their_own_only():
+    model = _model()
+    host = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mats = {"params": ["*.w1.weight", "*.w2.weight"], "optimizer": "torch.optim.Muon",
+            "lr": 0.02}
+    sz = SelectedZero2(model, _config(param_groups=[mats]), host)
+    classes = [type(o).__name__ for o in sz.optimizer.optimizers]
+    assert classes == ["AdamW", "Muon"]
+    # the host's lr schedule drives the Muon group by the same factor
+    sched = torch.optim.lr_scheduler.LambdaLR(host, lambda s: 0.5 ** s)
+    x, y = make_batch(0, 0)
+    loss_fn(model, x, y, routes_for(0, 0, 6, 4)).backward()
+    host.step()
+    sched.step()
+    sz.step()
+    assert sz.optimizer.param_groups[-1]["lr"] == pytest.approx(0.02 * 0.5)
+    sz.remove_hooks()
+    with pytest.raises(UsageError, match="name an optimizer class of their own"):
+        SelectedZero2(_model(), _config(param_groups=[{"params": ["*.bias"], "lr": 1.0}]),
+                      torch.optim.AdamW(_model().parameters()))
+
+
+def test_the_combined_optimizer_round_trips_its_state_dict_and_takes_an_lr_scheduler():
+    model = _model()
+    sz = SelectedZero2(model, _config(param_groups=[OWN_ADAMW]), torch.optim.Muon,
+                       {"lr": 0.02})
+    sched = torch.optim.lr_scheduler.LambdaLR(sz.optimizer, lambda s: 1.0 / (1 + s))
+    for s in range(2):
+        x, y = make_batch(s, 0)
+        loss_fn(model, x, y, routes_for(s, 0, 6, 4)).backward()
+        sz.step()
+        sched.step()
+    assert sz.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 / 3)
+    assert sz.optimizer.param_groups[1]["lr"] == pytest.approx(3e-3 / 3)
+    saved = copy.deepcopy(sz.optimizer.state_dict())
+    assert {k for st in saved["state"].values() for k in st} == \
+        {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
+    for st in sz.optimizer.state.values():
+        for v in st.values():
+            v.zero_() if v.dim() else None
+    sz.optimizer.load_state_dict(saved)
+    again = sz.optimizer.state_dict()
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again["state"][i][k], v)
+    # the shared group dicts follow the loaded optimizers
+    sz.optimizer.param_groups[1]["lr"] = 1.0
+    assert sz.optimizer.optimizers[1].param_groups[0]["lr"] == 1.0
+    assert len(sz.optimizer.state) == len(saved["state"])
+    sz.optimizer.state.clear()
+    assert len(sz.optimizer.state) == 0
+
+
+def test_memory_report_counts_whole_tensors_once():
+    model = _model()
+    sz = SelectedZero2(model, _config(param_groups=[OWN_ADAMW]), torch.optim.Muon)
+    for s in range(2):
+        x, y = make_batch(s, 0)
+        loss_fn(model, x, y, routes_for(s, 0, 6, 4, "same")).backward()
+        sz.step()
+    report = sz.memory_report()
+    numel = sum(p.numel() for n, p in model.named_parameters() if n.startswith("experts."))
+    vectors = sum(p.numel() for n, p in model.named_parameters()
+                  if n.startswith("experts.") and p.ndim == 1)
+    assert report.grad_shard == numel * 4
+    # Muon: one momentum per matrix element; AdamW: two moments per vector element + steps
+    assert report.optimizer_state == (numel - vectors) * 4 + vectors * 8 + 4 * 4 * 3
+    assert report.total == report.ideal_total
