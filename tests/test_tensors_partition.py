@@ -192,3 +192,22 @@ def test_the_memory_bound_fails_for_a_lopsided_plan():
     runs = all_values(run_ranks(T.memory_run, 3, "muon", True, timeout=300))
     states = [run["state"] for run in runs]
     assert max(states) > 1.10 * sum(states) / 3, states
+
+
+def _muon_over_everything(rank: int, world: int) -> None:
+    """Muon over the experts' vectors too: only their owners would build an optimizer that
+    refuses them; every rank must raise, before anything is built."""
+    from selzero_plugin import SelectedZero2, SelZeroConfig
+
+    model = T.build_model()
+    SelectedZero2(model, SelZeroConfig(params=["experts.*"], partition="tensors"),
+                  torch.optim.Muon, {"lr": 0.02})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cannot_give_muon_a_vector_and_every_rank_says_so(world):
+    from .dist_utils import all_errors
+
+    messages = all_errors(run_ranks(_muon_over_everything, world, timeout=120), "ConfigError")
+    bodies = {m.split("] ", 1)[1] for m in messages}
+    assert len(bodies) == 1 and "experts.0.gain" in bodies.pop()

@@ -44,7 +44,7 @@ from .atomic import (MANIFEST_NAME, is_staging, make_staging, previous_folder, p
                      refuse_to_replace)
 from ..errors import CheckpointError
 from .format import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard, chunk_range,
-                     consolidated_plan, piece_range, read_manifest, shard_file_name, shard_plan,
+                     consolidated_plan, piece_range, read_manifest, replan, shard_file_name, shard_plan,
                      spec_of, state_specs, tensor_key, tensor_shape, whats, write_manifest)
 from .safetensors_io import LazyShard, StreamingWriter
 
@@ -241,7 +241,10 @@ def reshard(folder: str | os.PathLike[str], world_size: int, out: str | os.PathL
 
 
 def consolidated_metadata(manifest: Manifest) -> dict[str, str]:
+    """The manifest without what depends on the group size (its size, shards, owners)."""
     raw = {k: v for k, v in manifest.raw.items() if k not in ("group_size", "shards")}
+    raw["virtuals"] = [{k: v for k, v in record.items() if k != "owner"}
+                       for record in raw["virtuals"]]
     return {"format": "pt", "selzero": json.dumps(raw, sort_keys=True, separators=(",", ":"))}
 
 
@@ -275,7 +278,7 @@ def read_consolidated_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise CheckpointError(f"{path}: not a consolidated selzero file (no 'selzero' metadata).")
     raw = json.loads(meta["selzero"])
     raw.update({"group_size": 1, "shards": []})
-    return Manifest.from_json(raw, where=str(path))
+    return Manifest.from_json(replan(raw), where=str(path))
 
 
 def export_torch_state_dict(consolidated: str | os.PathLike[str],
