@@ -351,6 +351,16 @@ def _subset_optimizer(engine: Any, ds_config: dict[str, Any]) -> tuple[Any, dict
     # weight_decay is 0, torch AdamW's 0.01), read from its first group
     name = type(basic).__name__
     group = basic.param_groups[0] if basic.param_groups else dict(basic.defaults)
+    if "Muon" in name:  # MuonWithAuxAdam is no Adam (its name was taken for one before)
+        raise ConfigError(
+            f"selected_zero2: DeepSpeed's optimizer {name} (config type \"muon\") runs "
+            "DeepSpeed's own Muon (its Newton-Schulz variant and Adam half), which no torch "
+            "optimizer reproduces, so selzero cannot run it on the subset. Keep DeepSpeed on an "
+            "AdamW optimizer block and give the experts torch.optim.Muon in the entry: "
+            "\"selected_zero2\": {\"params\": [...], \"partition\": \"tensors\", "
+            "\"param_groups\": [{\"params\": [\"*.experts.*\"], \"optimizer\": "
+            "\"torch.optim.Muon\", \"lr\": 0.02}]} (Muon needs matrices: keep vectors out of "
+            "that group).")
     if "Adam" in name and "Lamb" not in name:
         if not group.get("bias_correction", True):
             raise ConfigError(

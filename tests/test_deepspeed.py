@@ -461,3 +461,16 @@ def test_muon_on_the_expert_matrices_through_the_entry(batch, case):
                 (case, name, (run["params"][name] - value).abs().max().item())
         for got, want in zip(run["norms"], norms):
             assert abs(got - want) <= (1e-6 if case == "tensors-muon" else 1e-3) * max(1.0, want)
+
+
+def test_deepspeeds_own_muon_is_refused_naming_the_torch_muon_param_group():
+    """DeepSpeed's "muon" optimizer type (MuonWithAuxAdam: its own Newton-Schulz variant) has
+    no torch equivalent: refused on every rank, saying how to give the experts torch Muon."""
+    from .dist_utils import all_errors
+
+    config = ds_config(2, False)
+    config["optimizer"] = {"type": "Muon", "params": {"lr": 0.02}}
+    config["selected_zero2"] = {"params": ["blocks.*.experts.*"], "partition": "tensors"}
+    messages = all_errors(run_ranks(_initialize_only, 2, config, timeout=240, env=ENV),
+                          "ConfigError")
+    assert all("DeepSpeed's own Muon" in m and "torch.optim.Muon" in m for m in messages)

@@ -240,3 +240,12 @@ def test_memory_report_counts_whole_tensors_once():
     # Muon: one momentum per matrix element; AdamW: two moments per vector element + steps
     assert report.optimizer_state == (numel - vectors) * 4 + vectors * 8 + 4 * 4 * 3
     assert report.total == report.ideal_total
+
+
+def test_a_group_of_its_own_without_an_lr_keeps_its_class_default_under_step_lr():
+    own = {"params": ["*.bias", "*.gain"], "optimizer": "torch.optim.AdamW"}  # lr: AdamW's 1e-3
+    sz = SelectedZero2(_model(), _config(param_groups=[own]), torch.optim.Muon, {"lr": 0.02})
+    assert sz.optimizer.param_groups[1]["lr"] == 1e-3
+    sz.segment_optimizer.prepare(0.01)  # what step(lr=0.01) does first: half the main lr
+    assert sz.optimizer.param_groups[0]["lr"] == 0.01
+    assert sz.optimizer.param_groups[1]["lr"] == pytest.approx(5e-4)

@@ -304,9 +304,11 @@ class SegmentOptimizer:
         self.optimizer: torch.optim.Optimizer = built[0] if len(built) == 1 else \
             MultiOptimizer(built, order)
         self.main = next(g for g, plan in enumerate(plans) if plan.cls is None or plan.cls is cls)
-        self.own_lr = {g: float(plan.hyper["lr"]) for g, plan in enumerate(plans)
+        # a group of its own class: its lr as built (the group's, else its class's default)
+        self.own_lr = {g: float(self.optimizer.param_groups[g]["lr"])
+                       for g, plan in enumerate(plans)
                        if plan.cls is not None and plan.cls is not cls
-                       and isinstance(plan.hyper.get("lr"), (int, float))}
+                       and isinstance(self.optimizer.param_groups[g].get("lr"), (int, float))}
         self.base_lr = self._main_lr(initial=True)
         self.base_given = False
 
@@ -335,8 +337,7 @@ class SegmentOptimizer:
         groups = self.optimizer.param_groups
         if lr is not None:
             for g in range(len(groups)):
-                if g not in self.own_lr and (self.plans[g].cls is None
-                                             or self.plans[g].cls is self.cls):
+                if self.plans[g].cls is None or self.plans[g].cls is self.cls:
                     groups[g]["lr"] = lr
         if self.own_lr and (lr is not None or self.host is not None):
             if self.host is not None and not self.base_given and "initial_lr" in \
