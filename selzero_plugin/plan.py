@@ -109,7 +109,8 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
     if config.partition == "tensors":
         probe_groups(trainable, groups, cls, kwargs)
         owners = plan_virtual_owners(trainable, groups, cls, world_size)
-    layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1)
+    layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1,
+                      e.num_experts is not None)
                           for e in trainable], world_size, int(config.bucket_mb * 2 ** 20),
                          owners=owners)
     per_element, per_slot = [0] * len(trainable), [0] * len(trainable)

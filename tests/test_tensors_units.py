@@ -249,3 +249,50 @@ def test_a_group_of_its_own_without_an_lr_keeps_its_class_default_under_step_lr(
     sz.segment_optimizer.prepare(0.01)  # what step(lr=0.01) does first: half the main lr
     assert sz.optimizer.param_groups[0]["lr"] == 0.01
     assert sz.optimizer.param_groups[1]["lr"] == pytest.approx(5e-4)
+
+
+class _OneExpert(nn.Module):
+    """A fused experts module holding one (local) expert, as under expert parallelism with as
+    many ranks as experts (review finding: its segment kept the (1, a, b) shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 1
+        self.expert_offset = 3
+        self.w = nn.Parameter(torch.randn(1, 6, 5) * 0.3)
+
+    def forward(self, x: torch.Tensor, routed: bool) -> torch.Tensor:
+        return x @ self.w[0] * (1.0 if routed else 0.0)  # no token: zero rows
+
+
+class _OneExpertModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = _OneExpert()
+
+    def forward(self, x: torch.Tensor, routed: bool = True) -> torch.Tensor:
+        return self.experts(x, routed)
+
+
+def test_a_fused_tensor_of_one_expert_is_that_expert_whole(tmp_path):
+    model = _OneExpertModel()
+    sz = SelectedZero2(model, _config(params=["experts.*"], expert_dim=0), torch.optim.Muon,
+                       {"lr": 0.02})
+    assert [tuple(s.shape) for s in sz.segments] == [(6, 5)]
+    assert sz.virtual_name(0) == "experts.w[expert 0]"
+    ref = model.experts.w.detach()[0].clone().requires_grad_()
+    muon = torch.optim.Muon([ref], lr=0.02)
+    x = torch.randn(4, 6)
+    model(x).pow(2).sum().backward()
+    sz.step()
+    (x @ ref).pow(2).sum().backward()
+    muon.step()
+    assert torch.equal(model.experts.w[0], ref)
+    before = model.experts.w.detach().clone()
+    model(x, routed=False).sum().backward()  # a zero gradient: the expert got no token
+    result = sz.step()
+    assert result.skipped_absent == 1 and torch.equal(model.experts.w, before)
+    sz.save_checkpoint(tmp_path / "one")
+    manifest = (tmp_path / "one" / "manifest.json").read_text()
+    assert '"key": "experts.w[expert 3]"' in manifest  # keyed by its global expert

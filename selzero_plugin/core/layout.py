@@ -41,7 +41,8 @@ class EntrySpec:
 
     numel: int
     dtype: str
-    num_experts: int = 1  # > 1: split into this many equal virtual parameters along dim 0
+    num_experts: int = 1  # split into this many equal virtual parameters along dim 0
+    split: bool = False  # a fused expert tensor (expert_dim=0), also with one (local) expert
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def plan_layout(entries: list[EntrySpec], world_size: int, bucket_bytes: int, *,
         assert per * spec.num_experts == spec.numel, "split entries divide evenly by construction"
         ids = []
         for x in range(spec.num_experts):
-            expert = x if spec.num_experts > 1 else None
+            expert = x if spec.num_experts > 1 or spec.split else None
             if owners is None:
                 virtuals.append(VirtualSpec(len(virtuals), e, expert, x * per, per,
                                             ceil_div(per, world_size)))

@@ -368,7 +368,7 @@ class ReductionWindow:
 
     def _record_presence(self, t: int, grad: torch.Tensor) -> None:
         ids = self.layout.entry_virtuals[t]
-        if len(ids) == 1:
+        if self.layout.virtuals[ids[0]].expert is None:  # a whole parameter
             self.present.add(ids[0])
         else:
             # a row is present when it holds a value other than (+-)0: its max or min is

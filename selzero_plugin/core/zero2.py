@@ -147,7 +147,8 @@ class SelectedZero2:
             probe_groups(trainable, self._plans, self._opt_cls, self._defaults)
             self.owners = plan_virtual_owners(trainable, self._plans, self._opt_cls, len(ranks))
         self.layout: Layout = plan_layout(
-            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1) for e in trainable],
+            [EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1,
+                      e.num_experts is not None) for e in trainable],
             len(ranks), int(config.bucket_mb * 2 ** 20), owners=self.owners)
         self.units: Units = resolve_units(self.model, trainable, list(config.launch_modules))
         self.entries, self.trainable = entries, trainable
