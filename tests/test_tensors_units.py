@@ -296,3 +296,78 @@ def test_a_fused_tensor_of_one_expert_is_that_expert_whole(tmp_path):
     sz.save_checkpoint(tmp_path / "one")
     manifest = (tmp_path / "one" / "manifest.json").read_text()
     assert '"key": "experts.w[expert 3]"' in manifest  # keyed by its global expert
+
+
+def test_beside_a_host_a_group_naming_the_hosts_class_is_still_a_group_of_its_own():
+    """Review finding: it took the host's defaults (weight decay 0.3) and ignored the host's
+    schedule; it takes its class's defaults and follows the schedule factor like any other."""
+    model = _model()
+    host = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.3)
+    own = {"params": ["*.bias"], "optimizer": "torch.optim.AdamW", "lr": 1e-2}
+    sz = SelectedZero2(model, _config(param_groups=[own]), host)
+    assert sz.optimizer.param_groups[-1]["weight_decay"] == 0.01  # AdamW's default
+    sched = torch.optim.lr_scheduler.LambdaLR(host, lambda s: 0.0)  # every lr 0 from the start
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for s in range(2):
+        x, y = make_batch(s, 0)
+        loss_fn(model, x, y, routes_for(s, 0, 6, 4, "same")).backward()
+        host.step()
+        sz.step()
+        host.zero_grad()
+        sched.step()
+    for n, p in model.named_parameters():
+        if n.startswith("experts."):
+            assert torch.equal(p, before[n]), n
+
+
+class Preconditioned(torch.optim.Optimizer):
+    """Shampoo-like: full-matrix statistics L (m, m) and R (n, n) per matrix."""
+
+    def __init__(self, params, lr: float = 1e-2, flat: bool = False) -> None:
+        super().__init__(params, {"lr": lr, "flat": flat})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, st = p.grad.reshape(p.shape[0], -1), self.state[p]
+                if not st:
+                    st["L"] = torch.eye(g.shape[0]) * 1e-3
+                    st["R"] = torch.eye(g.shape[1]) * 1e-3
+                    if group["flat"]:  # a state no per-dim rule describes
+                        st["flat"] = torch.zeros(p.numel() + 1)
+                st["L"].add_(g @ g.T)
+                st["R"].add_(g.T @ g)
+                p.add_(torch.linalg.solve(st["L"], g).view_as(p), alpha=-group["lr"])
+
+
+def test_matrix_state_of_other_shapes_round_trips_through_a_checkpoint(tmp_path):
+    name = f"{__name__}.Preconditioned"
+    weights = {"params": ["experts.*.weight"], "partition": "tensors",
+               "extra_matrix_optimizers": [name]}
+    model = _model()
+    sz = SelectedZero2(model, SelZeroConfig.from_dict(weights), Preconditioned)
+    x, y = make_batch(0, 0)
+    loss_fn(model, x, y, routes_for(0, 0, 6, 4)).backward()
+    sz.step()
+    sz.save_checkpoint(tmp_path / "p")
+    fresh_model = _model(1)
+    fresh = SelectedZero2(fresh_model, SelZeroConfig.from_dict(weights), Preconditioned)
+    fresh.load_checkpoint(tmp_path / "p")
+
+    def states(s):
+        return {s.virtual_name(slot.virtual): s.optimizer.state[seg]
+                for slot, seg in zip(s.slots, s.segments) if seg in s.optimizer.state}
+
+    before, after = states(sz), states(fresh)
+    assert before.keys() == after.keys() and before
+    for name, st in before.items():
+        assert st["L"].shape[0] == st["L"].shape[1] != st["R"].shape[0]
+        assert torch.equal(after[name]["L"], st["L"]) and torch.equal(after[name]["R"], st["R"])
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh_model.named_parameters()):
+        if n.startswith("experts.") and n.endswith(".weight"):
+            assert torch.equal(a, b), n
+    with pytest.raises(OptimizerNotSupportedError, match="'flat'.*cannot save it"):
+        SelectedZero2(_model(), SelZeroConfig.from_dict(weights), Preconditioned, {"flat": True})

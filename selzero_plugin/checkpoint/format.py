@@ -58,10 +58,10 @@ import torch
 from torch import nn
 
 from ..core.layout import ceil_div
-from ..core.optim import GroupPlan, build_optimizer, qualified_name
+from ..core.optim import GroupPlan, build_optimizer, probe_state_shapes, qualified_name
 from ..core.ownership import contiguous_runs, optimizer_cost, plan_owners
 from ..core.view import ShardView
-from ..errors import CheckpointError
+from ..errors import CheckpointError, OptimizerNotSupportedError
 from .atomic import MANIFEST_NAME, fsync_file, is_staging, leftover_stagings, previous_folder
 from .safetensors_io import (DTYPE_CODES, TensorPlan, dtype_from_name, dtype_name, read_header,
                              sha256_file)
@@ -495,40 +495,22 @@ def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
     return specs
 
 
-_PROXY_DIMS = (2, 3, 5, 7, 11, 13)
-
-
 def probe_state_shaped(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
                        defaults: dict[str, Any], device: torch.device,
                        shape: tuple[int, ...]) -> dict[str, StateSpec]:
     """Whole-tensor ownership: the state one step of ``cls`` creates for a parameter of
-    ``shape``, found on a small parameter of the same rank (dims 2, 3, 5, ...): each state
-    dim either follows the parameter's or is 1 (Adafactor's factored statistics)."""
-    if len(shape) > len(_PROXY_DIMS):
-        raise CheckpointError(f"parameter shape {list(shape)}: more than {len(_PROXY_DIMS)} dims")
-    proxy = _PROXY_DIMS[:len(shape)]
-    dummy = nn.Parameter(torch.zeros(proxy, device=device))
-    optimizer = build_optimizer(cls, [GroupPlan(dict(hyper), [])], [[dummy]], defaults)
-    dummy.grad = torch.zeros_like(dummy)
-    optimizer.step()
-    specs = {}
-    for key, value in optimizer.state[dummy].items():
-        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPE_CODES:
+    ``shape`` (``core.optim.probe_state_shapes``), as the manifest describes it."""
+    try:
+        found = probe_state_shapes(cls, hyper, defaults, device, shape)
+    except OptimizerNotSupportedError as e:
+        raise CheckpointError(str(e)) from None
+    for key, (_, dtype, _) in found.items():
+        if dtype not in DTYPE_CODES:
             raise CheckpointError(f"optimizer {qualified_name(cls)} keeps state {key!r} as "
-                                  f"{type(value).__name__}; selzero checkpoints hold tensors only.")
-        if value.dim() == 0:
-            specs[key] = StateSpec(SCALAR, value.dtype, ())
-        elif tuple(value.shape) == proxy:
-            specs[key] = StateSpec(ELEMENTWISE, value.dtype, tuple(shape))
-        elif value.dim() == len(proxy) and all(d in (p, 1) for d, p in zip(value.shape, proxy)):
-            specs[key] = StateSpec(TENSOR, value.dtype, tuple(
-                s if d == p else 1 for d, p, s in zip(value.shape, proxy, shape)))
-        else:
-            raise CheckpointError(
-                f"optimizer {qualified_name(cls)} keeps state {key!r} of shape "
-                f"{list(value.shape)} for a parameter of shape {list(proxy)}; selzero describes "
-                "state whose dims follow the parameter's or are 1.")
-    return specs
+                                  f"{dtype}, which safetensors does not store.")
+    kinds = {"scalar": SCALAR, "elementwise": ELEMENTWISE, "tensor": TENSOR}
+    return {key: StateSpec(kinds[kind], dtype, shape_)
+            for key, (kind, dtype, shape_) in found.items()}
 
 
 def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where: str) -> None:

@@ -182,6 +182,7 @@ class GroupPlan:
     members: list[int]  # indices into the trainable entries
     host_group: int | None = None  # host optimizer group mirrored at every step
     cls: type | None = None  # a class of its own ([Note: param groups with their own optimizer])
+    own: bool = False  # named its own optimizer: its own hyperparameters, the schedule factor
 
 
 def override_class(override: dict[str, Any]) -> type | None:
@@ -204,7 +205,7 @@ def plan_groups(trainable: list[SelectedEntry], defaults: dict[str, Any],
         if own is None or own is cls:
             plans.append(GroupPlan({**defaults, **_override_hyper(o)}, []))
         else:
-            plans.append(GroupPlan(_override_hyper(o), [], None, own))
+            plans.append(GroupPlan(_override_hyper(o), [], None, own, True))
     _assign(trainable, overrides, plans, lambda t: 0)
     return plans
 
@@ -227,10 +228,24 @@ def plan_groups_from_host(trainable: list[SelectedEntry], host: torch.optim.Opti
             where.setdefault(id(p), g)
     plans = [GroupPlan(_hyper(group), [], g) for g, group in enumerate(host.param_groups)]
     overrides = overrides or []
-    plans += [GroupPlan(_override_hyper(o), [], None, override_class(o)) for o in overrides]
+    # no host group to mirror: each takes its own hyperparameters and its class's defaults,
+    # also when it names the host's class (review finding: it took the host's defaults and no
+    # schedule)
+    plans += [GroupPlan({**class_defaults(c), **_override_hyper(o)}, [], None, c, True)
+              for o in overrides for c in [override_class(o)]]
     _assign(trainable, overrides, plans, lambda t: where.get(id(trainable[t].param), 0),
             first=len(host.param_groups))
     return plans
+
+
+def class_defaults(cls: type | None) -> dict[str, Any]:
+    """The keyword defaults of an optimizer class's constructor (what torch fills a group
+    with when the class is built without arguments)."""
+    if cls is None:
+        return {}
+    return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+            if k not in ("self", "params") and p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -303,11 +318,10 @@ class SegmentOptimizer:
             order.append((m, sum(1 for h in range(g) if (plans[h].cls or cls) is classes[m])))
         self.optimizer: torch.optim.Optimizer = built[0] if len(built) == 1 else \
             MultiOptimizer(built, order)
-        self.main = next(g for g, plan in enumerate(plans) if plan.cls is None or plan.cls is cls)
+        self.main = next(g for g, plan in enumerate(plans) if not plan.own)
         # a group of its own class: its lr as built (the group's, else its class's default)
         self.own_lr = {g: float(self.optimizer.param_groups[g]["lr"])
-                       for g, plan in enumerate(plans)
-                       if plan.cls is not None and plan.cls is not cls
+                       for g, plan in enumerate(plans) if plan.own
                        and isinstance(self.optimizer.param_groups[g].get("lr"), (int, float))}
         self.base_lr = self._main_lr(initial=True)
         self.base_given = False
@@ -337,7 +351,7 @@ class SegmentOptimizer:
         groups = self.optimizer.param_groups
         if lr is not None:
             for g in range(len(groups)):
-                if self.plans[g].cls is None or self.plans[g].cls is self.cls:
+                if not self.plans[g].own:
                     groups[g]["lr"] = lr
         if self.own_lr and (lr is not None or self.host is not None):
             if self.host is not None and not self.base_given and "initial_lr" in \
@@ -347,6 +361,50 @@ class SegmentOptimizer:
             factor = now / base if now is not None and base else 1.0
             for g, own in self.own_lr.items():
                 groups[g]["lr"] = own * factor
+
+
+_PROXY_DIMS = (2, 3, 5, 7, 11, 13)
+StateShape = tuple[str, torch.dtype, tuple[int, ...]]  # kind, dtype, shape
+
+
+def probe_state_shapes(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
+                       defaults: dict[str, Any], device: torch.device,
+                       shape: tuple[int, ...]) -> dict[str, StateShape]:
+    """The state one step of ``cls`` makes for a whole parameter of ``shape`` (whole-tensor
+    ownership): found on a small parameter of the same rank whose dims are distinct primes, so
+    each dim of a state tensor is told apart as 1 or one of the parameter's dims (Adafactor's
+    ``row_var`` (m, 1), a Shampoo preconditioner (n, n)). Kinds: ``scalar`` (0-dim),
+    ``elementwise`` (the parameter's shape), ``tensor`` (any other)."""
+    if len(shape) > len(_PROXY_DIMS):
+        raise OptimizerNotSupportedError(
+            f"a parameter of shape {list(shape)}: selzero describes optimizer state for "
+            f"parameters of at most {len(_PROXY_DIMS)} dims.")
+    proxy = _PROXY_DIMS[:len(shape)]
+    dummy = nn.Parameter(torch.zeros(proxy, device=device))
+    optimizer = build_optimizer(cls, [GroupPlan(dict(hyper), [])], [[dummy]], defaults)
+    dummy.grad = torch.zeros_like(dummy)
+    optimizer.step()
+    out: dict[str, StateShape] = {}
+    for key, value in optimizer.state[dummy].items():
+        if not isinstance(value, torch.Tensor):
+            raise OptimizerNotSupportedError(
+                f"optimizer {qualified_name(cls)} keeps state {key!r} as "
+                f"{type(value).__name__}; selzero saves tensors only (checkpoints hold no "
+                "pickle).")
+        if value.dim() == 0:
+            out[key] = ("scalar", value.dtype, ())
+        elif tuple(value.shape) == proxy:
+            out[key] = ("elementwise", value.dtype, tuple(shape))
+        elif all(d == 1 or d in proxy for d in value.shape):
+            out[key] = ("tensor", value.dtype, tuple(
+                1 if d == 1 else shape[proxy.index(d)] for d in value.shape))
+        else:
+            raise OptimizerNotSupportedError(
+                f"optimizer {qualified_name(cls)} keeps state {key!r} of shape "
+                f"{list(value.shape)} for a parameter of shape {list(proxy)}: its dims are "
+                "neither the parameter's dims nor 1, so selzero cannot save it for a "
+                "parameter of another shape.")
+    return out
 
 
 def stepped_state(state: Any) -> bool:

@@ -27,14 +27,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import SelZeroConfig
-from ..errors import ConfigError, NonFiniteGradientError, SelectionError, SelZeroError, UsageError
+from ..errors import (ConfigError, NonFiniteGradientError, OptimizerNotSupportedError,
+                      SelectionError, SelZeroError, UsageError)
 from .binding import KINDS, REPLACED, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
 from .contract import Field, agree_on_local_errors, check_contract
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
 from .optim import (GroupPlan, SegmentOptimizer, build_optimizer, check_admitted,
-                    check_hyperparameters, jsonable, override_class, plan_groups, plan_groups_from_host, qualified_name,
+                    check_hyperparameters, jsonable, probe_state_shapes, override_class, plan_groups, plan_groups_from_host, qualified_name,
                     resolve_optimizer_class, stepped_state)
 from .ownership import contiguous_runs, optimizer_cost, plan_owners
 from .report import MemoryReport, StepResult
@@ -684,9 +685,18 @@ def probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: ty
             except (ValueError, TypeError, RuntimeError) as e:
                 what = f" (each expert of the fused tensor, shape {list(shape)})" \
                     if entry.num_experts else f" (shape {list(shape)})"
+                if isinstance(e, OptimizerNotSupportedError):
+                    raise
                 raise ConfigError(
                     f"parameter {entry.name!r}{what} is in optimizer group {g}, run by "
                     f"{qualified_name(c)}, which refuses it: {e}. Give such parameters a param "
                     "group with an optimizer of their own, e.g. param_groups=[{'params': "
                     "['*.bias', '*norm*'], 'optimizer': 'torch.optim.AdamW', 'lr': 3e-4}], or "
                     "leave them out of `params`.") from None
+            # the state its owner will keep and save, found on a small tensor: an optimizer
+            # whose state selzero cannot describe is refused now, not at the first save
+            try:
+                probe_state_shapes(c, hyper, base, torch.device("cpu"), shape)
+            except OptimizerNotSupportedError as e:
+                raise OptimizerNotSupportedError(
+                    f"parameter {entry.name!r} (optimizer group {g}): {e}") from None
