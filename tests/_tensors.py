@@ -239,3 +239,52 @@ def memory_run(rank: int, world: int, recipe: str, lopsided: bool = False) -> di
     return {"state": report.optimizer_state, "step_net": trace.net,
             "balance": balance(costs, sz.owners, world), "owners": sz.owners,
             "elements": sum(s.numel() for s in sz.segments)}
+
+
+# ---- expert parallelism down to one local fused expert per rank --------------------------------
+
+TOTAL_EXPERTS = 4
+
+
+class _EPFused(nn.Module):
+    def __init__(self, local: int, offset: int) -> None:
+        super().__init__()
+        self.num_experts, self.expert_offset = local, offset
+        base = torch.randn(TOTAL_EXPERTS, 3, 4, generator=torch.Generator().manual_seed(5))
+        self.w = nn.Parameter(base[offset:offset + local].clone())
+
+
+class EPNet(nn.Module):
+    def __init__(self, local: int, offset: int) -> None:
+        super().__init__()
+        self.fused = _EPFused(local, offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(x @ w.T for w in self.fused.w)
+
+
+def ep_phase(rank: int, world: int, ep: int, partition: str, folder: str, *,
+             load: bool) -> dict[str, torch.Tensor]:
+    """Train 2 steps and save, or load; the fused tensor's global experts this rank holds."""
+    from selzero_plugin.checkpoint.host import load_from, save_into
+    from selzero_plugin.groups import expert_data_parallel
+
+    groups = expert_data_parallel(ep)
+    local = TOTAL_EXPERTS // ep
+    net = EPNet(local, groups.ep_rank * local)
+    cls, kwargs = (torch.optim.Adafactor, {"lr": 1e-2}) if partition == "tensors" else \
+        (torch.optim.AdamW, {"lr": 1e-2})
+    sz = SelectedZero2(net, {"params": ["fused.*"], "expert_dim": 0, "partition": partition,
+                             "normalize_over": "world"}, cls, kwargs, group=groups)
+    if load:
+        load_from(folder, [sz])
+    else:
+        for step in range(2):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            net(x).pow(2).mean().backward()
+            sz.step()
+        save_into(folder, [sz])
+    values = {f"expert {groups.ep_rank * local + i}": net.fused.w[i].detach().clone()
+              for i in range(local)}
+    sz.remove_hooks()
+    return values

@@ -286,6 +286,14 @@ def export_torch_state_dict(consolidated: str | os.PathLike[str],
     """The ``torch.optim`` state dict of [Note: streaming tools]: the only pickle selzero
     writes, and only when asked."""
     manifest = read_consolidated_manifest(consolidated)
+    classes = sorted(set(manifest.group_classes))
+    if len(classes) > 1:
+        raise CheckpointError(
+            f"{consolidated}: its param groups run several optimizer classes ({classes}); a "
+            "torch.optim state dict is one optimizer's. Read the consolidated safetensors file "
+            "instead (keys `{name}/{state}`, its metadata names each group's class).")
+    if manifest.partition == "tensors":
+        _check_torch_can_hold(manifest)
     members: list[list[int]] = [[] for _ in manifest.group_hyper]
     state: dict[int, dict[str, torch.Tensor]] = {}
     uneven: list[str] = []
@@ -307,6 +315,35 @@ def export_torch_state_dict(consolidated: str | os.PathLike[str],
     out = Path(out)
     torch.save({"state": state, "param_groups": groups}, out)
     return out
+
+
+def _check_torch_can_hold(manifest: Manifest) -> None:
+    """Whole-tensor ownership keeps each expert of a fused tensor's state in the expert's own
+    terms (Adafactor: a 1-D expert's ``variance``); the export stacks it, which torch can step
+    only if its optimizer keeps that very state for the whole tensor (review finding)."""
+    from ..core.optim import probe_state_shapes, resolve_optimizer_class
+
+    for entry in manifest.entries:
+        virtuals = [v for v in manifest.virtuals if v.entry == entry["name"] and v.stateful]
+        if entry["frozen"] or not entry["experts"] or not virtuals:
+            continue
+        name = manifest.group_classes[virtuals[0].group]
+        stacked = {k: (len([v for v in manifest.virtuals if v.entry == entry["name"]]),
+                       *tensor_shape(virtuals[0], spec)) if spec.kind != SCALAR else ()
+                   for k, spec in state_specs(manifest, virtuals[0]).items()}
+        try:
+            cls = resolve_optimizer_class(name)
+            whole = probe_state_shapes(cls, {}, {}, torch.device("cpu"), tuple(entry["shape"]))
+            torch_keeps = {k: shape for k, (_, _, shape) in whole.items()}
+        except Exception as e:  # noqa: BLE001 - torch's optimizer refuses the whole tensor
+            torch_keeps = {"(refused)": str(e)}
+        if torch_keeps != stacked:
+            raise CheckpointError(
+                f"{entry['name']} {tuple(entry['shape'])}: selzero keeps each expert's "
+                f"{name} state ({sorted(stacked)}) where torch's {name} over the whole fused "
+                f"tensor keeps {torch_keeps}; no torch state dict expresses the per-expert "
+                "state. Read the consolidated safetensors file instead (keys "
+                "`{name}[expert e]/{state}`).")
 
 
 def _merged_state(f: Any, manifest: Manifest, virtuals: list[VirtualRecord],
