@@ -146,8 +146,7 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
                           for s, t in zip(slots, entry))
         ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
     elements = sum(e.param.numel() for e in trainable)
-    ddp = sum(e.param.numel() * e.param.element_size() * (1 + per_element[t] // 4)
-              + per_slot[t] + whole[t] * (e.num_experts or 1) for t, e in enumerate(trainable))
+    ddp = _ddp_bytes(trainable, groups, cls, kwargs)
     model_params = [p for p in model.parameters() if p.requires_grad]
     model_elements = sum(p.numel() for p in model_params)
     zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))
@@ -251,6 +250,29 @@ def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | Non
     print(f"  per rank, ZeRO-2 over the whole model (DeepSpeed: FP32 grads, masters, Adam): "
           f"{_mib(plan.zero2_model)}")
     return 0
+
+
+def _ddp_bytes(trainable: list[Any], groups: list[Any], cls: type,
+               kwargs: dict[str, Any]) -> int:
+    """The subset under DDP on one rank, the same way whatever the partition (review finding:
+    it changed with it): each tensor's gradient, and the optimizer state of each of its
+    (virtual) parameters, in the parameter's dtype; a scalar state once per tensor."""
+    total = 0
+    probes: dict[tuple[int, tuple[int, ...]], Any] = {}
+    for g, group in enumerate(groups):
+        c = group.cls or cls
+        for t in group.members:
+            e = trainable[t]
+            shape = virtual_shape(e)
+            if (g, shape) not in probes:
+                probes[g, shape] = probe_state_shaped(c, group.hyper, kwargs if c is cls else {},
+                                                      torch.device("cpu"), shape)
+            specs = probes[g, shape].values()
+            elements = sum(math.prod(s.shape or ()) for s in specs if s.kind != "scalar")
+            total += e.param.numel() * e.param.element_size() \
+                + (e.num_experts or 1) * elements * e.param.element_size() \
+                + sum(s.dtype.itemsize for s in specs if s.kind == "scalar")
+    return total
 
 
 def _non_matrices(model: nn.Module, config: SelZeroConfig) -> list[str]:

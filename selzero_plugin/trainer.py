@@ -173,13 +173,16 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
             ds["selected_zero2"] = self.config.to_dict()
             return
         mine = self.config.to_dict()
-        differ = sorted(k for k in ("params", "modules", "expert_dim")
-                        if isinstance(entry, dict) and entry.get(k, mine[k]) != mine[k])
+        # every field, not only the selection (review finding: the entry's partition and
+        # param_groups silently won over the callback's)
+        theirs = SelZeroConfig.from_dict({k: v for k, v in dict(entry).items()
+                                          if k != "group"}).to_dict()
+        differ = sorted(k for k in mine if theirs[k] != mine[k])
         if differ:
             raise ConfigError(
                 f"SelectedZero2Callback: the DeepSpeed config's 'selected_zero2' entry and the "
-                f"callback's config select differently ({', '.join(differ)}: "
-                f"{ {k: entry.get(k) for k in differ} } vs { {k: mine[k] for k in differ} }); "
+                f"callback's config differ ({', '.join(differ)}: "
+                f"{ {k: theirs[k] for k in differ} } vs { {k: mine[k] for k in differ} }); "
                 "keep one of them (the entry alone is enough under DeepSpeed).")
 
     def _wrap_train(self, trainer: Any) -> None:

@@ -288,3 +288,15 @@ def ep_phase(rank: int, world: int, ep: int, partition: str, folder: str, *,
               for i in range(local)}
     sz.remove_hooks()
     return values
+
+
+def save_through_host(rank: int, world: int, folder: str) -> None:
+    """A save as the integrations make it (an index.json and a save_id in the manifest)."""
+    from selzero_plugin.checkpoint.host import save_into
+
+    from . import _ckpt
+
+    model, sz = _ckpt.make("toy", "Muon", seed=0)
+    _ckpt.train(model, sz, rank, range(2), 2)
+    save_into(folder, [sz])
+    sz.remove_hooks()

@@ -106,3 +106,16 @@ def test_plan_command_on_a_transformers_config(tmp_path, capsys):
     assert "4 tensor(s), 32 virtual parameter(s)" in out and "vs DDP" in out
     assert cli(["plan", str(config), "--params", "nothing.*", "--world-size", "2"]) == 1
     assert "select no trainable parameter" in capsys.readouterr().err
+
+
+def test_the_ddp_baseline_does_not_depend_on_the_partition():
+    """Review finding: under partition='tensors' it counted FP32 state per expert."""
+    with torch.device("meta"):
+        model = Net()
+    plans = [plan_memory(model, {**CONFIG, "partition": p}, 3, torch.optim.AdamW, {"lr": 1e-3})
+             for p in ("chunks", "tensors")]
+    assert plans[0].ddp_subset == plans[1].ddp_subset
+    # the fp32 experts: grad + 2 moments; the bf16 fused tensor: the same in bf16; 2 steps
+    fp32 = 3 * (7 * 5 + 5) * 4 * 3 + 3 * 2 * 4
+    bf16 = 4 * 5 * 7 * 2 * 3 + 4
+    assert plans[0].ddp_subset == fp32 + bf16

@@ -256,3 +256,19 @@ def test_an_expert_parallel_reshard_to_one_local_expert_per_rank_loads(tmp_path,
     assert before.keys() == after.keys() == {f"expert {e}" for e in range(4)}
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+
+def test_consolidate_is_the_same_after_a_reshard_of_an_integrations_save(tmp_path):
+    """Review finding: the manifest's save_id (written by the integrations' saves) reached the
+    consolidated file's metadata, so a resharded checkpoint consolidated to other bytes."""
+    from selzero_plugin.cli import main as cli
+
+    from . import _tensors as T
+
+    all_values(run_ranks(T.save_through_host, 2, str(tmp_path / "a"), timeout=300))
+    assert cli(["reshard", str(tmp_path / "a" / "selected_zero2"), "--world-size", "3",
+                "--out", str(tmp_path / "b")]) == 0
+    one = tools.consolidate(tmp_path / "a" / "selected_zero2" / "selected_zero2",
+                            tmp_path / "a.safetensors").read_bytes()
+    two = tools.consolidate(tmp_path / "b" / "selected_zero2", tmp_path / "b.safetensors")
+    assert one == two.read_bytes()

@@ -371,3 +371,63 @@ def test_matrix_state_of_other_shapes_round_trips_through_a_checkpoint(tmp_path)
             assert torch.equal(a, b), n
     with pytest.raises(OptimizerNotSupportedError, match="'flat'.*cannot save it"):
         SelectedZero2(_model(), SelZeroConfig.from_dict(weights), Preconditioned, {"flat": True})
+
+
+def test_beside_deepspeed_the_callback_and_the_entry_must_agree_on_every_field():
+    """Review finding: only the selection was compared, so an entry without the callback's
+    partition and Muon param group trained the experts with AdamW on chunks, silently."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("deepspeed")
+    from selzero_plugin.trainer import SelectedZero2Callback
+
+    mine = {"params": ["*.experts.*"], "partition": "tensors",
+            "param_groups": [{"params": ["*"], "optimizer": "torch.optim.Muon", "lr": 0.02}]}
+
+    def trainer(entry):
+        ds = {"selected_zero2": entry} if entry is not None else {}
+        plugin = SimpleNamespace(deepspeed_config=ds)
+        return SimpleNamespace(accelerator=SimpleNamespace(
+            state=SimpleNamespace(deepspeed_plugin=plugin), prepare=lambda *a, **k: a)), ds
+
+    callback = SelectedZero2Callback(mine)
+    with pytest.raises(ConfigError, match="partition.*param_groups"):
+        callback._via_deepspeed(trainer({"params": ["*.experts.*"]})[0])
+    callback._via_deepspeed(trainer({**mine, "group": "world"})[0])  # the same: fine
+    t, ds = trainer(None)
+    callback._via_deepspeed(t)  # no entry: the callback's config becomes it
+    assert ds["selected_zero2"]["partition"] == "tensors"
+
+
+@pytest.mark.parametrize("partition", ["chunks", "tensors"])
+def test_a_scheduler_on_sz_optimizer_resumes_where_it_was(tmp_path, partition):
+    """Review finding: the load kept this run's lr, so a chainable scheduler (ExponentialLR)
+    resumed with its own load_state_dict went on from the starting lr. A group a scheduler
+    drives through sz.optimizer takes the saved lr, as torch's optimizer.load_state_dict does."""
+    config = SelZeroConfig(params=["experts.*"], partition=partition)
+
+    def build(seed):
+        model = _model(seed)
+        sz = SelectedZero2(model, config, torch.optim.AdamW, {"lr": 1e-2})
+        return model, sz, torch.optim.lr_scheduler.ExponentialLR(sz.optimizer, gamma=0.5)
+
+    def train(model, sz, sched, steps):
+        for s in steps:
+            x, y = make_batch(s, 0)
+            loss_fn(model, x, y, routes_for(s, 0, 6, 4, "same")).backward()
+            sz.step()
+            sched.step()
+
+    model, sz, sched = build(0)
+    train(model, sz, sched, range(3))
+    sz.save_checkpoint(tmp_path / "c")
+    saved_sched = sched.state_dict()
+    train(model, sz, sched, range(3, 6))
+    model2, sz2, sched2 = build(0)  # the same host parameters (no host optimizer here)
+    sz2.load_checkpoint(tmp_path / "c")
+    sched2.load_state_dict(saved_sched)
+    assert sz2.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    train(model2, sz2, sched2, range(3, 6))
+    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
+        if n.startswith("experts."):
+            assert torch.equal(a, b), n

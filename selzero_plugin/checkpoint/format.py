@@ -43,7 +43,8 @@ checkpoints all raise) before anything changes (load.py). Then each rank swaps i
 its segments and state into its optimizer, and one all-gather rebuilds the full parameters, so
 every rank holds the saved values. Runtime settings (lr and the other
 hyperparameters, ``bucket_mb``, ``reduction``, ``timeout_s``) are this run's, not the saved
-ones: the manifest records them for reference only.
+ones: the manifest records them for reference, and for one exception, the lr of groups an LR
+scheduler drives through ``sz.optimizer`` ([Note: scheduled lr] in core/zero2.py).
 """
 
 from __future__ import annotations

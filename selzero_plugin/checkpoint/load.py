@@ -14,6 +14,7 @@ import hashlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ class _Read:
     manifest_sha256: bytes
     values: list[torch.Tensor]  # one per slot, in slot order
     states: dict[int, dict[str, torch.Tensor]]  # by slot index
+    scheduled: list[dict[str, Any]]  # each optimizer group's saved hyperparameters
 
 
 def load_checkpoint(view: ShardView, folder: str | Path) -> None:
@@ -63,7 +65,7 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> None:
     """Every rank of the group, once every rank agreed: swap the read state in."""
     for note in read.notes:
         warnings.warn(f"[rank {view.comm.rank}/{view.comm.size}] {what}: {note}", stacklevel=3)
-    view.install(read.values, read.states)
+    view.install(read.values, read.states, read.scheduled)
 
 
 def _resolve(folder: Path, save_id: str | None, indexed: bool) -> tuple[Path, list[str]]:
@@ -104,7 +106,7 @@ def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
     else:
         shard = check_shard(path, manifest, view.comm.rank)
         values, states = _read_shard(view, manifest, shard, run.virtuals)
-    return _Read(notes, sha, values, states)
+    return _Read(notes, sha, values, states, manifest.group_hyper)
 
 
 def _read_shard(view: ShardView, manifest: Manifest, shard: Path, run: list[VirtualRecord]

@@ -241,8 +241,9 @@ def reshard(folder: str | os.PathLike[str], world_size: int, out: str | os.PathL
 
 
 def consolidated_metadata(manifest: Manifest) -> dict[str, str]:
-    """The manifest without what depends on the group size (its size, shards, owners)."""
-    raw = {k: v for k, v in manifest.raw.items() if k not in ("group_size", "shards")}
+    """The manifest without what depends on the group size or on the save (its size, shards,
+    owners, ``save_id``)."""
+    raw = {k: v for k, v in manifest.raw.items() if k not in ("group_size", "shards", "save_id")}
     raw["virtuals"] = [{k: v for k, v in record.items() if k != "owner"}
                        for record in raw["virtuals"]]
     return {"format": "pt", "selzero": json.dumps(raw, sort_keys=True, separators=(",", ":"))}
@@ -451,10 +452,10 @@ def _parameter_lines(path: Path, manifest: Manifest) -> list[str]:
     lines = [f"  parameters: {len(manifest.entries)} selected ({len(trainable)} trainable, "
              f"{len(frozen)} frozen), {len(manifest.virtuals)} virtual, {numel:,} elements; "
              f"optimizer state for {stateful} of {len(manifest.virtuals)}"]
-    if steps:
+    if steps:  # never stepped: no state (Muon keeps no step count: review finding)
         lines.append(f"  step: {max(steps.values())} (most-stepped parameter; fewest "
                      f"{min(steps.values())}, never stepped: "
-                     f"{len(manifest.virtuals) - len(steps)})")
+                     f"{len(manifest.virtuals) - stateful})")
     width = max((len(e["name"]) for e in manifest.entries), default=0)
     for e in manifest.entries:
         shape = "(" + ", ".join(map(str, e["shape"])) + ")"

@@ -33,7 +33,11 @@ asynchronous in-place broadcasts, row r from rank r: each rank receives and send
 buffer, the all-gather's bytes, and every bit (-0.0, NaN payloads) arrives unchanged (67 MB on 2
 ranks: 22 ms, against 54-57 ms for the bitwise-OR all-reduce of a zeroed buffer used before and
 100 ms for gloo's all-gather). Results equal gloo's own collectives (which sum the same way). On NCCL the real reduce-scatter and an in-place
-all-gather run (no extra memory either).
+all-gather run (no extra memory either). Buckets under whole-tensor ownership have uneven rows
+([Note: whole-tensor layout] in ownership.py): gloo runs them the same way (the all-reduce of the
+whole buffer, one broadcast per non-empty row); NCCL runs torch's ``reduce_scatter`` and
+``all_gather`` with lists of unequal tensors, which ProcessGroupNCCL implements as one reduce
+(one broadcast) per owner inside a coalesced group.
 
 [Note: failed collectives]
 A rank that dies, stalls or raises before a collective leaves its peers in that collective. Every

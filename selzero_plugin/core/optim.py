@@ -15,8 +15,9 @@ unmodified.
 [Note: param groups with their own optimizer]
 A param group may name its own optimizer class (``"optimizer": "torch.optim.AdamW"``). Its
 parameters run that class with the group's hyperparameters alone (the class's own defaults for
-the rest: the main optimizer's kwargs are Muon's, not AdamW's); a group naming the main class
-is an ordinary override. Beside a host optimizer instance, such groups are the only
+the rest: the main optimizer's kwargs are Muon's, not AdamW's), also when it names the main
+class (a DeepSpeed run may replace the main class by another; the group must not change with
+it). Beside a host optimizer instance, such groups are the only
 ``param_groups`` allowed (the rest mirror the host's groups). Scheduling: ``step(lr=x)`` and a
 mirrored host set the lr of the main class's groups; a group with its own class follows the
 same schedule *factor* (its lr times the main lr now over the main lr at construction, or the
@@ -198,14 +199,17 @@ def _override_hyper(override: dict[str, Any]) -> dict[str, Any]:
 def plan_groups(trainable: list[SelectedEntry], defaults: dict[str, Any],
                 overrides: list[dict[str, Any]], cls: type | None = None) -> list[GroupPlan]:
     """Group 0 holds the defaults; ``overrides[i]`` (first match wins) becomes group i + 1. An
-    override naming another class than ``cls`` takes its own hyperparameters alone."""
+    override naming an optimizer class takes its own hyperparameters and that class's
+    defaults ([Note: param groups with their own optimizer])."""
     plans = [GroupPlan(dict(defaults), [])]
     for o in overrides:
         own = override_class(o)
-        if own is None or own is cls:
+        if own is None:
             plans.append(GroupPlan({**defaults, **_override_hyper(o)}, []))
-        else:
-            plans.append(GroupPlan(_override_hyper(o), [], None, own, True))
+        else:  # also when it names the main class (review finding: it took the main kwargs
+            # and the main lr)
+            plans.append(GroupPlan({**class_defaults(own), **_override_hyper(o)}, [], None,
+                                   own, True))
     _assign(trainable, overrides, plans, lambda t: 0)
     return plans
 

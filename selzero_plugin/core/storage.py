@@ -174,8 +174,13 @@ class ShardStorage:
                 self._views[key] = dsts
         segments = self._bucket_segments[bucket]
         with torch.no_grad():
-            if self.layout.owned:  # whole (virtual) tensors in their own shapes
-                segments = [seg.view(-1) for seg in segments]
+            if self.layout.owned:  # whole (virtual) tensors in their own shapes: flat views
+                ptrs = tuple(seg.data_ptr() for seg in segments)
+                flat = self._views.get(("flat", bucket))
+                if flat is None or flat[0] != ptrs:
+                    flat = (ptrs, [seg.detach().view(-1) for seg in segments])
+                    self._views[("flat", bucket)] = flat
+                segments = flat[1]
             torch._foreach_copy_(dsts, segments)
 
     def unpack_rows(self, bucket: int, rows: torch.Tensor, *, persistent: bool = False) -> None:

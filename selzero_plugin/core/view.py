@@ -48,7 +48,8 @@ class ShardView:
     expert_parallel: tuple[int, int] | None  # (ep_rank, ep_size) of an expert-parallel instance
     partition: str  # "chunks", or "tensors": whole (virtual) parameters, VirtualSpec.owner
     _chunks: Callable[[], list[Chunk]]
-    _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]], None]
+    _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]],
+                        list[dict[str, Any]]], None]
     _check: Callable[[], None]
 
     def check_installable(self) -> None:
@@ -61,8 +62,9 @@ class ShardView:
     def chunks(self) -> list[Chunk]:
         return self._chunks()
 
-    def install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
-                ) -> None:
+    def install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
+                scheduled: list[dict[str, Any]] | None = None) -> None:
         """Swap in loaded values (one per slot, in slot order) and optimizer state (keyed by slot
-        index), then all-gather the full parameters. Every rank of the group calls it."""
-        self._install(values, states)
+        index), then all-gather the full parameters. Every rank of the group calls it.
+        ``scheduled``: each optimizer group's saved hyperparameters ([Note: scheduled lr])."""
+        self._install(values, states, scheduled or [])

@@ -194,7 +194,7 @@ class SelectedZero2:
         self._check_admitted(cls)
         check_hyperparameters(cls, list(kwargs), where="optimizer_kwargs")
         for i, group in enumerate(overrides):
-            if override_class(group) in (None, cls):
+            if override_class(group) is None:  # (groups of their own: checked above)
                 check_hyperparameters(cls, [k for k in group if k not in ("params", "optimizer")],
                                       where=f"config.param_groups[{i}]")
         return None, cls, dict(kwargs), plan_groups(trainable, dict(kwargs), overrides, cls)
@@ -516,8 +516,8 @@ class SelectedZero2:
         return [Chunk(slot, seg, self.optimizer.state.get(seg) or {})
                 for slot, seg in zip(self.storage.slots, self.storage.segments)]
 
-    def _install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
-                 ) -> None:
+    def _install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
+                 scheduled: list[dict[str, Any]] | None = None) -> None:
         self._check_dtypes()
         self.storage.rebind()
         with torch.no_grad():
@@ -531,9 +531,24 @@ class SelectedZero2:
         # This run's hyperparameters stay (runtime settings); only the state is replaced.
         optimizer.load_state_dict({"state": by_index,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
+        self._restore_scheduled(scheduled or [])
         self.collectives.all_gather_updated([True] * len(self.layout.virtuals))
         self.window.bindings.record()
         self.window.finish_step()  # an idle window (checked before reading): nothing launched
+
+    def _restore_scheduled(self, saved: list[dict[str, Any]]) -> None:
+        """[Note: scheduled lr] Hyperparameters are this run's (runtime settings), with one
+        exception: a group an LR scheduler drives through ``sz.optimizer`` itself (it holds
+        ``initial_lr``; no host is mirrored) takes the saved ``lr``, as torch's own
+        ``optimizer.load_state_dict`` would give it. Otherwise a chainable scheduler (StepLR,
+        ExponentialLR) resumed with ``scheduler.load_state_dict`` would go on from this run's
+        starting lr (review finding). ``step(lr=)`` and a mirrored host still set it at every
+        step."""
+        if self.host_optimizer is not None:
+            return
+        for group, hyper in zip(self.optimizer.param_groups, saved):
+            if "initial_lr" in group and isinstance(hyper.get("lr"), (int, float)):
+                group["lr"] = float(hyper["lr"])
 
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
