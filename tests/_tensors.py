@@ -12,7 +12,7 @@ from torch import nn
 from selzero_plugin import SelectedZero2, SelZeroConfig, clip_grad_norm_, wrap_ddp
 
 from .models import loss_fn, make_batch
-from .parity import build_model, routes_for
+from .parity import build_model, reference_run, routes_for
 
 MUON = {"lr": 0.02, "weight_decay": 0.1}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.05}
@@ -39,20 +39,9 @@ def reference_optimizers(model: nn.Module, recipe: str) -> list[torch.optim.Opti
 def reference(world: int, steps: int, recipe: str = "muon", *, pattern: str = "uneven",
               num_experts: int = 4, accumulate: int = 1, clip: float | None = None
               ) -> dict[str, torch.Tensor]:
-    model = build_model(num_experts=num_experts)
-    opts = reference_optimizers(model, recipe)
-    for step in range(steps):
-        for micro in range(accumulate):
-            s = step * accumulate + micro
-            losses = [loss_fn(model, *make_batch(s, r), routes_for(s, r, 6, num_experts, pattern))
-                      for r in range(world)]
-            (torch.stack(losses).mean() / accumulate).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_run(world, steps, None, pattern=pattern, num_experts=num_experts,
+                         accumulate=accumulate, clip=clip,
+                         optimizers=lambda model: reference_optimizers(model, recipe))
 
 
 def selzero_config(recipe: str, **extra: Any) -> tuple[SelZeroConfig, type, dict[str, Any]]:

@@ -42,13 +42,18 @@ def build_model(seed: int = 0, num_experts: int = 4, dtype: torch.dtype = torch.
     return ToyMoE(num_experts).to(dtype)
 
 
-def reference_run(world: int, steps: int, opt_name: str, *, pattern: str = "uneven",
-                  num_experts: int = 4, accumulate: int = 1,
-                  clip: float | None = None) -> dict[str, torch.Tensor]:
-    """One process, plain torch.optim, loss = mean over ranks (and micro-steps)."""
+def reference_run(world: int, steps: int, opt_name: str | None, *, pattern: str = "uneven",
+                  num_experts: int = 4, accumulate: int = 1, clip: float | None = None,
+                  optimizers: Callable[[ToyMoE], list[Any]] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """One process, plain torch.optim, loss = mean over ranks (and micro-steps); the optimizer
+    of ``OPTIMIZERS[opt_name]`` over every parameter, or those ``optimizers(model)`` builds."""
     model = build_model(num_experts=num_experts)
-    cls, kwargs = OPTIMIZERS[opt_name]
-    opt = cls(model.parameters(), **kwargs)
+    if optimizers is not None:
+        opts = optimizers(model)
+    else:
+        cls, kwargs = OPTIMIZERS[opt_name]
+        opts = [cls(model.parameters(), **kwargs)]
     for step in range(steps):
         for micro in range(accumulate):
             s = step * accumulate + micro
@@ -57,8 +62,9 @@ def reference_run(world: int, steps: int, opt_name: str, *, pattern: str = "unev
             (torch.stack(losses).mean() / accumulate).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
