@@ -557,18 +557,24 @@ def _setup_accumulation(mode: str, model: Any, spec: dict[str, Any], subset_ids:
 
 
 def run_mode(mode: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    return run_workers(_worker, args.world, mode, mode, spec, args)
+
+
+def run_workers(worker: Callable[..., None], world: int, label: str, *args: Any
+                ) -> dict[str, Any]:
+    """``worker(rank, world, *args, init_file, out_file)`` on ``world`` fresh processes; the JSON
+    the workers wrote to ``out_file``."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         try:
-            mp.start_processes(_worker, nprocs=args.world, start_method="spawn",
-                               args=(args.world, mode, spec, args, os.path.join(tmp, "init"),
-                                     out))
+            mp.start_processes(worker, nprocs=world, start_method="spawn",
+                               args=(world, *args, os.path.join(tmp, "init"), out))
         except mp.ProcessExitedException as e:
             if not os.path.exists(out):  # gloo can abort a process at exit after its work
                 raise
-            print(f"note: {mode}: a process ended abnormally after reporting ({e})",
+            print(f"note: {label}: a process ended abnormally after reporting ({e})",
                   file=sys.stderr)
         return json.loads(Path(out).read_text())
 
@@ -576,7 +582,7 @@ def run_mode(mode: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[
 # ---- the report ------------------------------------------------------------------------------
 
 
-def _spread(values: list[float]) -> str:
+def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
@@ -630,7 +636,7 @@ def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[st
     for mode in modes:
         rows = [rd[mode] for rd in rounds]
         ms = statistics.median(r["ms"] for r in rows)
-        ratio = _spread([rd[mode]["ms"] / rd[base]["ms"] for rd in rounds])
+        ratio = spread([rd[mode]["ms"] / rd[base]["ms"] for rd in rounds])
         mem, ideal = rows[0]["subset_bytes"], rows[0]["subset_ideal"]
         vs_ideal = f"{mem / ideal:.4f}" if ideal > 0 and mem >= 0 else "n/a"
         rss = " / ".join(f"{statistics.median(r['peak_rss_mib'][k] for r in rows):.0f}"
@@ -646,7 +652,7 @@ def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[st
                      f"{_mb(rows[0]['other_wire'])} |")
     if "selzero" in modes and "selzero-tensors" in modes:
         lines += ["", "partition `tensors` / `chunks` (selzero-tensors / selzero), step time "
-                  "within a round: " + _spread([rd["selzero-tensors"]["ms"] / rd["selzero"]["ms"]
+                  "within a round: " + spread([rd["selzero-tensors"]["ms"] / rd["selzero"]["ms"]
                                                 for rd in rounds])]
     plan = rounds[0].get("selzero", {}).get("plan")
     if plan:

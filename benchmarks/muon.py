@@ -33,10 +33,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import run_workers, spread  # the harness of benchmarks/bench.py
 
 ROWS = ["muon-1p", "muon-sz", "adamw-chunks", "adamw-tensors"]
 
@@ -168,23 +169,7 @@ def _balance(sz: Any, world: int) -> float:
 def run_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
     if row == "muon-1p":
         return single(args)
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        try:
-            mp.start_processes(_worker, nprocs=args.world, start_method="spawn",
-                               args=(args.world, row, args, os.path.join(tmp, "init"), out))
-        except mp.ProcessExitedException as e:
-            if not os.path.exists(out):  # gloo can abort a process at exit after its work
-                raise
-            print(f"note: {row}: a process ended abnormally after reporting ({e})",
-                  file=sys.stderr)
-        return json.loads(Path(out).read_text())
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return run_workers(_worker, args.world, row, row, args)
 
 
 def table(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
@@ -209,10 +194,10 @@ def table(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> 
         lines.append(f"| {r} | {med[r]['opt_ms']:.1f} | {step} |")
     lines += [
         "",
-        f"- Muon through selzero / single-process Muon, optimizer step: **{_spread(muon)}** "
+        f"- Muon through selzero / single-process Muon, optimizer step: **{spread(muon)}** "
         f"(ideal 1/{args.world} plus the all-gather; plan balance "
         f"{rounds[0]['muon-sz'].get('balance', 1.0):.3f} max/mean Newton-Schulz cost)",
-        f"- AdamW, `tensors` / `chunks`, whole step: **{_spread(parts)}**",
+        f"- AdamW, `tensors` / `chunks`, whole step: **{spread(parts)}**",
         "",
         "Command: `" + " ".join(["benchmarks/muon.py", *sys.argv[1:]]) + "`",
         "",

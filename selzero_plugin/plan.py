@@ -4,7 +4,8 @@
 The prediction uses the engine's own arithmetic on the model's shapes (a model on the meta
 device will do: no weights): ``resolve_selection`` and ``plan_layout`` give every rank's real
 chunks, and the optimizer's state is found by stepping a throwaway parameter
-(``probe_state``). Per rank r, over the slots (virtual parameters with a non-empty chunk on r):
+(``probe_state_shaped``: of each (virtual) parameter's shape, flat under ``chunks``). Per rank
+r, over the slots (virtual parameters with a non-empty chunk on r):
 
 - gradient shard: 4 bytes x the real chunk elements (FP32, no padding);
 - masters: 4 bytes x the real chunk elements of bf16 / fp16 parameters;
@@ -39,12 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint.format import ELEMENTWISE, probe_state, probe_state_shaped
+from .checkpoint.format import ELEMENTWISE, SCALAR, probe_state_shaped
 from .config import SelZeroConfig
 from .core.layout import EntrySpec, plan_layout
-from .core.optim import check_admitted, override_class, plan_groups, resolve_optimizer_class
+from .core.optim import (check_admitted, override_class, plan_groups, qualified_name,
+                         resolve_optimizer_class)
 from .core.ownership import balance, optimizer_cost
-from .core.zero2 import plan_virtual_owners, probe_groups, virtual_shape
+from .core.zero2 import plan_virtual_owners, probe_groups
 from .core.selection import resolve_selection
 from .errors import ConfigError, SelectionError
 
@@ -113,28 +115,7 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
                       e.num_experts is not None)
                           for e in trainable], world_size, int(config.bucket_mb * 2 ** 20),
                          owners=owners)
-    per_element, per_slot = [0] * len(trainable), [0] * len(trainable)
-    whole = [0] * len(trainable)  # whole-tensor ownership: state bytes of one virtual
-    costs = [0.0] * len(layout.virtuals)
-    for group in groups:
-        if not group.members:
-            continue
-        c = group.cls or cls
-        defaults = kwargs if c is cls else {}
-        if owners is None:
-            state = probe_state(c, group.hyper, defaults, torch.device("cpu"))
-        for t in group.members:
-            if owners is not None:
-                shape = virtual_shape(trainable[t])
-                specs = probe_state_shaped(c, group.hyper, defaults, torch.device("cpu"), shape)
-                whole[t] = sum(math.prod(s.shape or ()) * s.dtype.itemsize
-                               for s in specs.values())
-                for v in layout.entry_virtuals[t]:
-                    costs[v] = optimizer_cost(f"{c.__module__}.{c.__qualname__}", group.hyper,
-                                              shape)
-                continue
-            per_element[t] = sum(s.dtype.itemsize for s in state.values() if s.kind == ELEMENTWISE)
-            per_slot[t] = sum(s.dtype.itemsize for s in state.values() if s.kind != ELEMENTWISE)
+    specs = _state_specs(trainable, groups, cls, kwargs, owned=owners is not None)
     ranks = []
     for r in range(world_size):
         slots = layout.shard_slots(r)
@@ -142,19 +123,24 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
         numel = sum(s.numel for s in slots)
         low = sum(s.numel for s, t in zip(slots, entry)
                   if trainable[t].param.dtype != torch.float32)
-        state_bytes = sum(per_element[t] * s.numel + per_slot[t] + whole[t]
-                          for s, t in zip(slots, entry))
+        state_bytes = sum(_slot_state_bytes(specs[t], s.numel) for s, t in zip(slots, entry))
         ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
     elements = sum(e.param.numel() for e in trainable)
-    ddp = _ddp_bytes(trainable, groups, cls, kwargs)
+    ddp = sum(_ddp_bytes(e, specs[t]) for t, e in enumerate(trainable))
+    figure = 1.0
+    if owners is not None:
+        group_of = {t: g for g, group in enumerate(groups) for t in group.members}
+        costs = [optimizer_cost(qualified_name(groups[group_of[v.entry]].cls or cls),
+                                groups[group_of[v.entry]].hyper, trainable[v.entry].virtual_shape)
+                 for v in layout.virtuals]
+        figure = balance(costs, owners, world_size)
     model_params = [p for p in model.parameters() if p.requires_grad]
     model_elements = sum(p.numel() for p in model_params)
     zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))
                 for p in model_params)
     return MemoryPlan(world_size, len(entries), len(layout.virtuals), elements, model_elements,
                       ranks, ddp, zero2, -(-sum(r.total for r in ranks) // world_size),
-                      config.partition,
-                      balance(costs, owners, world_size) if owners is not None else 1.0)
+                      config.partition, figure)
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -252,31 +238,45 @@ def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | Non
     return 0
 
 
-def _ddp_bytes(trainable: list[Any], groups: list[Any], cls: type,
-               kwargs: dict[str, Any]) -> int:
-    """The subset under DDP on one rank, the same way whatever the partition (review finding:
-    it changed with it): each tensor's gradient, and the optimizer state of each of its
-    (virtual) parameters, in the parameter's dtype; a scalar state once per tensor."""
-    total = 0
-    probes: dict[tuple[int, tuple[int, ...]], Any] = {}
+def _state_specs(trainable: list[Any], groups: list[Any], cls: type, kwargs: dict[str, Any],
+                 *, owned: bool) -> list[dict[str, Any]]:
+    """Each trainable entry's optimizer state for one of its (virtual) parameters: its
+    group's class stepped once on a parameter of its shape (flat under ``chunks``, where the
+    state is elementwise), found once per group and shape."""
+    out: list[dict[str, Any]] = [{} for _ in trainable]
+    probes: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}
     for g, group in enumerate(groups):
         c = group.cls or cls
         for t in group.members:
-            e = trainable[t]
-            shape = virtual_shape(e)
+            shape = trainable[t].virtual_shape
+            shape = shape if owned else (math.prod(shape),)
             if (g, shape) not in probes:
                 probes[g, shape] = probe_state_shaped(c, group.hyper, kwargs if c is cls else {},
                                                       torch.device("cpu"), shape)
-            specs = probes[g, shape].values()
-            elements = sum(math.prod(s.shape or ()) for s in specs if s.kind != "scalar")
-            total += e.param.numel() * e.param.element_size() \
-                + (e.num_experts or 1) * elements * e.param.element_size() \
-                + sum(s.dtype.itemsize for s in specs if s.kind == "scalar")
-    return total
+            out[t] = probes[g, shape]
+    return out
+
+
+def _slot_state_bytes(specs: dict[str, Any], numel: int) -> int:
+    """A slot's state: elementwise tensors over its elements, the others whole."""
+    return sum(s.dtype.itemsize * (numel if s.kind == ELEMENTWISE else math.prod(s.shape or ()))
+               for s in specs.values())
+
+
+def _ddp_bytes(entry: Any, specs: dict[str, Any]) -> int:
+    """The tensor under DDP on one rank, the same whatever the partition (review finding: it
+    changed with it): its gradient and the state of each of its (virtual) parameters in the
+    parameter's dtype, a scalar state once per tensor."""
+    size = entry.param.element_size()
+    per_virtual = entry.param.numel() // (entry.num_experts or 1)
+    state = sum((per_virtual if s.kind == ELEMENTWISE else math.prod(s.shape or ()))
+                for s in specs.values() if s.kind != SCALAR)
+    return entry.param.numel() * size + (entry.num_experts or 1) * state * size \
+        + sum(s.dtype.itemsize for s in specs.values() if s.kind == SCALAR)
 
 
 def _non_matrices(model: nn.Module, config: SelZeroConfig) -> list[str]:
     """Names of the selected tensors whose (virtual) shape is not 2-D."""
     entries = resolve_selection(model, params=list(config.params), modules=list(config.modules),
                                 expert_dim=config.expert_dim)
-    return [e.name for e in entries if not e.frozen and len(virtual_shape(e)) != 2]
+    return [e.name for e in entries if not e.frozen and len(e.virtual_shape) != 2]

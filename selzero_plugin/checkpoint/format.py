@@ -56,10 +56,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..core.layout import ceil_div
-from ..core.optim import GroupPlan, build_optimizer, probe_state_shapes, qualified_name
+from ..core.optim import probe_state_shapes, qualified_name
 from ..core.ownership import contiguous_runs, optimizer_cost, plan_owners
 from ..core.view import ShardView
 from ..errors import CheckpointError, OptimizerNotSupportedError
@@ -443,7 +442,7 @@ def describe_run(view: ShardView) -> RunSchema:
     probes: dict[tuple[int, tuple[int, ...]], dict[str, StateSpec]] = {}
     for spec in view.virtuals:
         e = view.trainable[spec.entry]
-        shape = tuple(e.param.shape) if spec.expert is None else tuple(e.param.shape[1:])
+        shape = e.virtual_shape
         expert = spec.expert if spec.expert is None or e.placement is None else \
             e.placement.first + spec.expert  # the global expert ([Note: global expert names])
         group = view.group_of_entry[spec.entry]
@@ -475,24 +474,14 @@ def entry_record(e: Any) -> dict[str, Any]:
 
 def probe_state(cls: type[torch.optim.Optimizer], hyper: dict[str, Any],
                 defaults: dict[str, Any], device: torch.device) -> dict[str, StateSpec]:
-    """The state keys one step of ``cls`` creates, found by stepping a throwaway parameter."""
-    dummy = nn.Parameter(torch.zeros(3, device=device))
-    optimizer = build_optimizer(cls, [GroupPlan(dict(hyper), [])], [[dummy]], defaults)
-    dummy.grad = torch.zeros_like(dummy)
-    optimizer.step()
+    """Chunks: the state keys one step of ``cls`` creates (each elementwise or a scalar)."""
     specs = {}
-    for key, value in optimizer.state[dummy].items():
-        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPE_CODES:
-            raise CheckpointError(f"optimizer {qualified_name(cls)} keeps state {key!r} as "
-                                  f"{type(value).__name__}; selzero checkpoints hold tensors only.")
-        if value.dim() == 0:
-            specs[key] = StateSpec(SCALAR, value.dtype)
-        elif value.shape == dummy.shape:
-            specs[key] = StateSpec(ELEMENTWISE, value.dtype)
-        else:
+    for key, spec in probe_state_shaped(cls, hyper, defaults, device, (3,)).items():
+        if spec.kind == TENSOR:
             raise CheckpointError(f"optimizer {qualified_name(cls)} keeps state {key!r} of shape "
-                                  f"{list(value.shape)} for a parameter of shape [3]: it is not "
-                                  "elementwise and cannot be sharded.")
+                                  f"{list(spec.shape or ())} for a parameter of shape [3]: it is "
+                                  "not elementwise and cannot be sharded.")
+        specs[key] = StateSpec(spec.kind, spec.dtype)
     return specs
 
 

@@ -35,7 +35,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .comm import Communicator, RowWork
 from .layout import Layout
-from .rowcopy import add_or_copy, flat_views, piece_buffer_views, piece_flat_views, row_views
+from .rowcopy import add_or_copy, entry_buffer_views, entry_flat_views
 from .storage import ShardStorage
 
 __all__ = ["BucketCollectives", "BufferPool", "PATIENCE_S"]
@@ -139,20 +139,9 @@ class BucketCollectives:
         b = self.layout.entry_bucket[t]
         assert not self.launched(b), "a launched bucket takes no more gradients"
         buffer = self._buffer(b)
-        add_or_copy(self._row_views(buffer, t), self.flat_side(flat, t), t in self.filled[b])
+        add_or_copy(self._row_views(buffer, t), entry_flat_views(self.layout, flat, t),
+                    t in self.filled[b])
         self.filled[b].add(t)
-
-    def flat_side(self, flat: torch.Tensor, t: int, skip: int | None = None
-                  ) -> list[torch.Tensor]:
-        """Entry t's flat-side views of ``flat`` (its gradient or parameter), pairing with its
-        views in a bucket buffer."""
-        layout = self.layout
-        if layout.owned:
-            return piece_flat_views(flat, layout.entry_pieces[t], skip=skip)
-        ids = layout.entry_virtuals[t]
-        first = layout.virtuals[ids[0]]
-        return flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel,
-                          skip=skip)
 
     def _row_views(self, buffer: torch.Tensor, t: int) -> list[torch.Tensor]:
         """Entry t's views in its bucket's ``buffer``, kept for reused blocks ([Note: cached
@@ -160,13 +149,7 @@ class BucketCollectives:
         key = (buffer.data_ptr(), t)
         views = self.fill_views.get(key)
         if views is None:
-            ids = self.layout.entry_virtuals[t]
-            first = self.layout.virtuals[ids[0]]
-            views = piece_buffer_views(buffer, self.layout.entry_pieces[t]) \
-                if self.layout.owned else \
-                row_views(buffer.view(self.comm.size, -1),
-                          row_offset=self.layout.entry_row_offset[t], experts=len(ids),
-                          per=first.numel, chunk=first.chunk_numel)
+            views = entry_buffer_views(self.layout, buffer, t)
             if self.pool.persistent(buffer):
                 self.fill_views[key] = views
         return views

@@ -294,22 +294,20 @@ class Communicator:
         lengths, [Note: whole-tensor layout]); ``wait()`` returns row ``rank`` of the result.
         ``buffer`` must stay untouched until then."""
         self._record("reduce_scatter", buffer)
-        if rows is None:
-            parts = list(buffer.view(self.size, -1).unbind(0))
-        else:
-            parts = list(buffer.split(list(rows)))
+        mine = self._row(buffer, rows, self.rank)
         if self.size == 1:
-            return _Done(parts[0])
+            return _Done(mine)
         if self.emulate:
             return _Rows(self._async("reduce_scatter", buffer, lambda: dist.all_reduce(
-                buffer, group=self.group, async_op=True)), parts[self.rank])
-        output = torch.empty_like(parts[self.rank])
+                buffer, group=self.group, async_op=True)), mine)
+        output = torch.empty_like(mine)
         if rows is None:
             work = self._async("reduce_scatter", buffer, lambda: _REDUCE_SCATTER(
                 output, buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         else:  # uneven: ProcessGroupNCCL runs one reduce per owner, coalesced
             work = self._async("reduce_scatter", buffer, lambda: dist.reduce_scatter(
-                output, parts, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+                output, list(buffer.split(list(rows))), op=dist.ReduceOp.SUM,
+                group=self.group, async_op=True))
         return _Rows(work, output)
 
     def all_gather_rows_(self, gathered: torch.Tensor, rows: tuple[int, ...] | None = None
@@ -318,22 +316,32 @@ class Communicator:
         written its own row ``rank`` (``rows``: uneven lengths). Launched asynchronously;
         ``wait()`` before reading."""
         self._record("all_gather", gathered)
-        if rows is None:
-            parts = list(gathered.view(self.size, -1).unbind(0))
-        else:
-            parts = list(gathered.split(list(rows)))
         if self.size == 1:
             return _Done()
         if self.emulate:
             return self._async("all_gather", gathered, lambda: _All([
-                dist.broadcast(parts[r], group=self.group, group_src=r, async_op=True)
-                for r in range(self.size) if parts[r].numel()]))
+                dist.broadcast(part, group=self.group, group_src=r, async_op=True)
+                for r, part in enumerate(self._rows(gathered, rows)) if part.numel()]))
         if rows is None:
             return self._async("all_gather", gathered, lambda: _ALL_GATHER(
-                gathered, parts[self.rank], group=self.group, async_op=True))
+                gathered, self._row(gathered, None, self.rank), group=self.group,
+                async_op=True))
         # uneven: ProcessGroupNCCL runs one broadcast per owner, coalesced, into the views
+        parts = self._rows(gathered, rows)
         return self._async("all_gather", gathered, lambda: dist.all_gather(
             parts, parts[self.rank], group=self.group, async_op=True))
+
+    def _rows(self, buffer: torch.Tensor, rows: tuple[int, ...] | None) -> list[torch.Tensor]:
+        """The N rows of a bucket buffer (equal, or of the uneven lengths ``rows``)."""
+        if rows is None:
+            return list(buffer.view(self.size, -1).unbind(0))
+        return list(buffer.split(list(rows)))
+
+    def _row(self, buffer: torch.Tensor, rows: tuple[int, ...] | None, r: int) -> torch.Tensor:
+        """Row r alone (one view: the reduce-scatter's launch needs no other)."""
+        if rows is None:
+            return buffer.view(self.size, -1)[r]
+        return buffer.narrow(0, sum(rows[:r]), rows[r])
 
     # ---- small collectives ----------------------------------------------------------------
 

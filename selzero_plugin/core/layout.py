@@ -78,10 +78,6 @@ class BucketSpec:
     row_numel: int  # padded elements per rank row (uneven rows: the longest)
     row_numels: tuple[int, ...] = ()  # uneven rows (whole-tensor ownership): each rank's length
 
-    @property
-    def uneven(self) -> bool:
-        return bool(self.row_numels)
-
     def row_lengths(self, world: int) -> tuple[int, ...]:
         return self.row_numels if self.row_numels else (self.row_numel,) * world
 

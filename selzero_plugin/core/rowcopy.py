@@ -12,17 +12,18 @@ storage.py). ``skip`` leaves out one row (a rank's own row, already in place).
 
 Under whole-tensor ownership an entry is a list of pieces (layout.py, ``Piece``): each a run
 of the entry's flat elements held whole at an offset of the bucket's (uneven-row) buffer;
-``piece_buffer_views`` / ``piece_flat_views`` pair up the same way.
+``piece_buffer_views`` / ``piece_flat_views`` pair up the same way. ``entry_buffer_views`` /
+``entry_flat_views`` give an entry's pair under either layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import Piece
+from .layout import Layout, Piece
 
 __all__ = ["copy_in", "copy_out", "row_views", "flat_views", "add_or_copy", "piece_buffer_views",
-           "piece_flat_views"]
+           "piece_flat_views", "entry_buffer_views", "entry_flat_views"]
 
 
 def _row_ranges(per: int, chunk: int, skip: int | None) -> tuple[list[tuple[int, int]], int]:
@@ -107,3 +108,26 @@ def piece_flat_views(flat: torch.Tensor, pieces: tuple[Piece, ...], *,
     """The flat-side views of an owned entry (``flat``: contiguous, of any shape)."""
     flat = flat.view(-1)
     return [flat[p.flat_offset:p.flat_offset + p.numel] for p in pieces if p.owner != skip]
+
+
+def entry_buffer_views(layout: Layout, buffer: torch.Tensor, t: int, *,
+                       skip: int | None = None) -> list[torch.Tensor]:
+    """Trainable entry t's views in its bucket's 1-D ``buffer``, under either layout."""
+    if layout.owned:
+        return piece_buffer_views(buffer, layout.entry_pieces[t], skip=skip)
+    ids = layout.entry_virtuals[t]
+    first = layout.virtuals[ids[0]]
+    return row_views(buffer.view(layout.world_size, -1), row_offset=layout.entry_row_offset[t],
+                     experts=len(ids), per=first.numel, chunk=first.chunk_numel, skip=skip)
+
+
+def entry_flat_views(layout: Layout, flat: torch.Tensor, t: int, *,
+                     skip: int | None = None) -> list[torch.Tensor]:
+    """Entry t's flat-side views of ``flat`` (its gradient or parameter), pairing with
+    ``entry_buffer_views``."""
+    if layout.owned:
+        return piece_flat_views(flat, layout.entry_pieces[t], skip=skip)
+    ids = layout.entry_virtuals[t]
+    first = layout.virtuals[ids[0]]
+    return flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel,
+                      skip=skip)

@@ -74,6 +74,12 @@ class SelectedEntry:
         return not self.param.requires_grad
 
     @property
+    def virtual_shape(self) -> tuple[int, ...]:
+        """The shape of each of its virtual parameters: an expert's, when split."""
+        shape = tuple(self.param.shape)
+        return shape[1:] if self.num_experts is not None else shape
+
+    @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 

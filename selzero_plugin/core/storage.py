@@ -37,7 +37,7 @@ from torch import nn
 
 from .layout import Layout, ShardSlot
 from .report import MemoryReport
-from .rowcopy import flat_views, piece_buffer_views, piece_flat_views, row_views
+from .rowcopy import entry_buffer_views, entry_flat_views
 from .selection import SelectedEntry
 
 __all__ = ["ShardStorage", "holds_nonfinite"]
@@ -99,8 +99,7 @@ class ShardStorage:
         virtual = self.layout.virtuals[slot.virtual]
         if virtual.owner is None:
             return (slot.numel,)
-        shape = tuple(self.entry_of(slot).param.shape)
-        return shape[1:] if virtual.expert is not None else shape
+        return self.entry_of(slot).virtual_shape
 
     def param_chunk(self, i: int) -> torch.Tensor:
         """This rank's real chunk of slot i, as a view of the parameter's storage (1-D, or the
@@ -204,25 +203,12 @@ class ShardStorage:
 
     def _unpack_views(self, bucket: int, rows: torch.Tensor
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        layout = self.layout
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        if layout.owned:
-            for t in layout.buckets[bucket].entries:
-                skip = self.rank if self._written_in_place(t) else None
-                pieces = layout.entry_pieces[t]
-                srcs += piece_buffer_views(rows, pieces, skip=skip)
-                dsts += piece_flat_views(self.trainable[t].param.data, pieces, skip=skip)
-            return dsts, srcs
-        rows = rows.view(self.layout.world_size, -1)
-        for t in layout.buckets[bucket].entries:
-            ids = layout.entry_virtuals[t]
-            first = layout.virtuals[ids[0]]
-            geometry = {"experts": len(ids), "per": first.numel, "chunk": first.chunk_numel}
+        for t in self.layout.buckets[bucket].entries:
             skip = self.rank if self._written_in_place(t) else None
-            flat = self.trainable[t].param.data.view(-1)
-            srcs += row_views(rows, row_offset=layout.entry_row_offset[t], skip=skip, **geometry)
-            dsts += flat_views(flat, skip=skip, **geometry)
+            srcs += entry_buffer_views(self.layout, rows, t, skip=skip)
+            dsts += entry_flat_views(self.layout, self.trainable[t].param.data, t, skip=skip)
         return dsts, srcs
 
     def _written_in_place(self, t: int) -> bool:

@@ -46,7 +46,7 @@ from .view import Chunk, ShardView
 from .window import ReductionWindow, WindowState
 
 __all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io",
-           "owning_instance", "plan_virtual_owners", "probe_groups", "virtual_shape"]
+           "owning_instance", "plan_virtual_owners", "probe_groups"]
 
 
 class CheckpointIO(Protocol):
@@ -653,11 +653,6 @@ def _is_expert_groups(group: Any) -> bool:
     return all(hasattr(group, a) for a in ("expert_data_parallel", "ep_rank", "ep_size"))
 
 
-def virtual_shape(entry: SelectedEntry) -> tuple[int, ...]:
-    shape = tuple(entry.param.shape)
-    return shape[1:] if entry.num_experts else shape
-
-
 def plan_virtual_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
                         world: int) -> list[int]:
     """[Note: ownership plan] (ownership.py): LPT on each virtual parameter's cost under the
@@ -667,7 +662,7 @@ def plan_virtual_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], 
     runs: list[list[int]] = []
     for t, entry in enumerate(trainable):
         plan = plans[group_of[t]]
-        cost = optimizer_cost(qualified_name(plan.cls or cls), plan.hyper, virtual_shape(entry))
+        cost = optimizer_cost(qualified_name(plan.cls or cls), plan.hyper, entry.virtual_shape)
         first = len(costs)
         costs += [cost] * (entry.num_experts or 1)
         if entry.num_experts:
@@ -688,7 +683,7 @@ def probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: ty
         c = plan.cls or cls
         seen: dict[tuple[int, ...], SelectedEntry] = {}
         for t in plan.members:
-            seen.setdefault(virtual_shape(trainable[t]), trainable[t])
+            seen.setdefault(trainable[t].virtual_shape, trainable[t])
         # device-specific kernels (fused, foreach, capturable) are not what is probed here:
         # a storage-free tensor would fail their device check
         hyper = {k: v for k, v in plan.hyper.items() if k not in _DEVICE_FLAGS}
