@@ -431,3 +431,63 @@ def test_a_scheduler_on_sz_optimizer_resumes_where_it_was(tmp_path, partition):
     for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
         if n.startswith("experts."):
             assert torch.equal(a, b), n
+
+
+def _two_linears() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+
+
+def _lr_by_parameter(sz) -> dict[str, float]:
+    group_of = {id(p): g["lr"] for g in sz.optimizer.param_groups for p in g["params"]}
+    return {sz.trainable[sz.layout.virtuals[slot.virtual].entry].name: group_of[id(seg)]
+            for slot, seg in zip(sz.slots, sz.segments)}
+
+
+def test_the_saved_lr_follows_each_parameter_to_its_group_not_the_groups_position(tmp_path):
+    """Review finding: restored by position, a loading run that numbers its groups otherwise
+    gave a parameter another group's saved lr (100x too large here)."""
+    m = _two_linears()
+    sz = SelectedZero2(m, SelZeroConfig(params=["*"], param_groups=[
+        {"params": ["1.weight"], "lr": 1e-1}]), torch.optim.AdamW, {"lr": 1e-3})
+    sched = torch.optim.lr_scheduler.ExponentialLR(sz.optimizer, gamma=0.5)
+    for _ in range(2):
+        m(torch.ones(2, 4)).sum().backward()
+        sz.step()
+        sched.step()
+    saved = _lr_by_parameter(sz)
+    sz.save_checkpoint(tmp_path / "c")
+    state = sched.state_dict()
+    m2 = _two_linears()
+    sz2 = SelectedZero2(m2, SelZeroConfig(params=["*"], param_groups=[
+        {"params": ["0.weight"], "lr": 1e-3}, {"params": ["1.weight"], "lr": 1e-1}]),
+        torch.optim.AdamW, {"lr": 1e-3})
+    sched2 = torch.optim.lr_scheduler.ExponentialLR(sz2.optimizer, gamma=0.5)
+    sz2.load_checkpoint(tmp_path / "c")
+    sched2.load_state_dict(state)
+    assert _lr_by_parameter(sz2) == saved == {"0.weight": 1e-3 / 4, "1.weight": 1e-1 / 4}
+
+
+def test_a_scheduler_built_after_the_load_resumes_where_it_was(tmp_path):
+    """Review finding: torch's other resume order (load, then build the scheduler with
+    last_epoch=k) raised KeyError 'initial_lr' on sz.optimizer; the load restores
+    initial_lr with the lr, as optimizer.load_state_dict does."""
+    def build():
+        m = _two_linears()
+        return m, SelectedZero2(m, SelZeroConfig(params=["*"]), torch.optim.AdamW, {"lr": 1e-2})
+
+    m, sz = build()
+    sched = torch.optim.lr_scheduler.ExponentialLR(sz.optimizer, gamma=0.5)
+    for _ in range(3):
+        m(torch.ones(2, 4)).sum().backward()
+        sz.step()
+        sched.step()
+    sz.save_checkpoint(tmp_path / "c")
+    m2, sz2 = build()
+    sz2.load_checkpoint(tmp_path / "c")
+    assert sz2.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    sched2 = torch.optim.lr_scheduler.ExponentialLR(sz2.optimizer, gamma=0.5, last_epoch=2)
+    sched2.step()
+    sched.step()
+    assert sz2.optimizer.param_groups[0]["lr"] == pytest.approx(
+        sz.optimizer.param_groups[0]["lr"])

@@ -22,8 +22,9 @@ from ..core.contract import agree_on_local_errors
 from ..core.view import ShardView
 from ..errors import CheckpointError, UsageError
 from .atomic import MANIFEST_NAME, previous_folder
-from .format import (ELEMENTWISE, VALUE, Manifest, VirtualRecord, check_against_run, check_shard,
-                     describe_run, read_manifest, resolve_folder, state_specs, tensor_key)
+from .format import (ELEMENTWISE, VALUE, Manifest, RunSchema, VirtualRecord, check_against_run,
+                     check_shard, describe_run, read_manifest, resolve_folder, state_specs,
+                     tensor_key)
 from .safetensors_io import LazyShard
 from .save import local_phase, manifest_save_id
 
@@ -36,7 +37,7 @@ class _Read:
     manifest_sha256: bytes
     values: list[torch.Tensor]  # one per slot, in slot order
     states: dict[int, dict[str, torch.Tensor]]  # by slot index
-    scheduled: list[dict[str, Any]]  # each optimizer group's saved hyperparameters
+    scheduled: list[dict[str, Any] | None]  # by this run's group: its saved hyperparameters
 
 
 def load_checkpoint(view: ShardView, folder: str | Path) -> None:
@@ -106,7 +107,21 @@ def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
     else:
         shard = check_shard(path, manifest, view.comm.rank)
         values, states = _read_shard(view, manifest, shard, run.virtuals)
-    return _Read(notes, sha, values, states, manifest.group_hyper)
+    return _Read(notes, sha, values, states, _saved_hyper_by_group(manifest, run,
+                                                                   len(view.group_hyperparameters)))
+
+
+def _saved_hyper_by_group(manifest: Manifest, run: RunSchema, groups: int
+                          ) -> list[dict[str, Any] | None]:
+    """For each of this run's optimizer groups, the hyperparameters of the saved group its
+    parameters were in, matched by key (None where they came from several saved groups, or
+    none): the groups may be numbered otherwise than in the saving run (review finding: matched
+    by position, a parameter took another group's lr)."""
+    by_key = manifest.virtual_by_key
+    sources: list[set[int]] = [set() for _ in range(groups)]
+    for v in run.virtuals:
+        sources[v.group].add(by_key[v.key].group)
+    return [manifest.group_hyper[next(iter(s))] if len(s) == 1 else None for s in sources]
 
 
 def _read_shard(view: ShardView, manifest: Manifest, shard: Path, run: list[VirtualRecord]

@@ -49,7 +49,7 @@ class ShardView:
     partition: str  # "chunks", or "tensors": whole (virtual) parameters, VirtualSpec.owner
     _chunks: Callable[[], list[Chunk]]
     _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]],
-                        list[dict[str, Any]]], None]
+                        list[dict[str, Any] | None]], None]
     _check: Callable[[], None]
 
     def check_installable(self) -> None:
@@ -63,8 +63,9 @@ class ShardView:
         return self._chunks()
 
     def install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
-                scheduled: list[dict[str, Any]] | None = None) -> None:
+                scheduled: list[dict[str, Any] | None] | None = None) -> None:
         """Swap in loaded values (one per slot, in slot order) and optimizer state (keyed by slot
         index), then all-gather the full parameters. Every rank of the group calls it.
-        ``scheduled``: each optimizer group's saved hyperparameters ([Note: scheduled lr])."""
+        ``scheduled``: for each optimizer group, the saved hyperparameters of the group its
+        parameters were saved in, or None ([Note: scheduled lr])."""
         self._install(values, states, scheduled or [])

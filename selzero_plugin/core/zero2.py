@@ -517,7 +517,7 @@ class SelectedZero2:
                 for slot, seg in zip(self.storage.slots, self.storage.segments)]
 
     def _install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
-                 scheduled: list[dict[str, Any]] | None = None) -> None:
+                 scheduled: list[dict[str, Any] | None] | None = None) -> None:
         self._check_dtypes()
         self.storage.rebind()
         with torch.no_grad():
@@ -536,19 +536,24 @@ class SelectedZero2:
         self.window.bindings.record()
         self.window.finish_step()  # an idle window (checked before reading): nothing launched
 
-    def _restore_scheduled(self, saved: list[dict[str, Any]]) -> None:
+    def _restore_scheduled(self, saved: list[dict[str, Any] | None]) -> None:
         """[Note: scheduled lr] Hyperparameters are this run's (runtime settings), with one
-        exception: a group an LR scheduler drives through ``sz.optimizer`` itself (it holds
-        ``initial_lr``; no host is mirrored) takes the saved ``lr``, as torch's own
-        ``optimizer.load_state_dict`` would give it. Otherwise a chainable scheduler (StepLR,
-        ExponentialLR) resumed with ``scheduler.load_state_dict`` would go on from this run's
-        starting lr (review finding). ``step(lr=)`` and a mirrored host still set it at every
-        step."""
+        exception: a group an LR scheduler drives through ``sz.optimizer`` itself (it, or the
+        saved group, holds ``initial_lr``; no host is mirrored) takes the saved ``lr`` and
+        ``initial_lr``, as torch's own ``optimizer.load_state_dict`` would give it. Otherwise a
+        chainable scheduler (StepLR, ExponentialLR) resumed with ``scheduler.load_state_dict``,
+        or built after the load with ``last_epoch=k``, would go on from this run's starting lr
+        (review findings). ``saved`` is matched by the parameters' keys, not by position.
+        ``step(lr=)`` and a mirrored host still set the lr at every step."""
         if self.host_optimizer is not None:
             return
         for group, hyper in zip(self.optimizer.param_groups, saved):
-            if "initial_lr" in group and isinstance(hyper.get("lr"), (int, float)):
+            if hyper is None or not isinstance(hyper.get("lr"), (int, float)):
+                continue
+            if "initial_lr" in group or "initial_lr" in hyper:
                 group["lr"] = float(hyper["lr"])
+                if isinstance(hyper.get("initial_lr"), (int, float)):
+                    group["initial_lr"] = float(hyper["initial_lr"])
 
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
