@@ -6,8 +6,10 @@ a copy a collective makes, or a tensor autograd keeps. ``track_allocations()`` r
 allocation and free the c10 allocator reports to the torch profiler on the calling thread (CPU
 and CUDA), in order, and gives the running balance relative to the start: its maximum
 (``peak``), its final value (``net``), and the sizes of the blocks still alive at the end.
-Allocations made on other threads (gloo's worker threads) are not seen; selzero's own buffers
-are all allocated on the training thread.
+Allocations and frees made on other threads (gloo's worker threads) are not seen; selzero's own
+buffers are all allocated on the training thread, and those a collective's work object still
+references are freed there too (``resize_(0)`` after the wait, [Note: buffer pool]): a block
+whose last reference a worker thread dropped would otherwise count as alive here.
 
 Use it around a backward pass: ``peak`` is then the transient memory of that backward.
 """

@@ -628,7 +628,11 @@ class ReductionWindow:
             self.comm.all_reduce(vector)
         finally:
             self.comm.what = ""
-        return vector.tolist()  # the one device-to-host read of a reduction point
+        values = vector.tolist()  # the one device-to-host read of a reduction point
+        # freed here, on the training thread: gloo's work object, which still references the
+        # vector, may otherwise drop the last reference on its worker thread ([Note: buffer pool])
+        vector.untyped_storage().resize_(0)
+        return values
 
     def _adopt_launch_order(self, values: list[int]) -> None:
         """Once, when group rank 0 has seen every firable unit pass: launch buckets in the order
