@@ -487,7 +487,11 @@ def test_a_scheduler_built_after_the_load_resumes_where_it_was(tmp_path):
     sz2.load_checkpoint(tmp_path / "c")
     assert sz2.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
     sched2 = torch.optim.lr_scheduler.ExponentialLR(sz2.optimizer, gamma=0.5, last_epoch=2)
-    sched2.step()
-    sched.step()
+    for model, opt, scheduler in ((m, sz, sched), (m2, sz2, sched2)):  # one more step each
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        scheduler.step()
     assert sz2.optimizer.param_groups[0]["lr"] == pytest.approx(
         sz.optimizer.param_groups[0]["lr"])
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
