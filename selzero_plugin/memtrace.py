@@ -7,9 +7,11 @@ allocation and free the c10 allocator reports to the torch profiler on the calli
 and CUDA), in order, and gives the running balance relative to the start: its maximum
 (``peak``), its final value (``net``), and the sizes of the blocks still alive at the end.
 Allocations and frees made on other threads (gloo's worker threads) are not seen; selzero's own
-buffers are all allocated on the training thread, and those a collective's work object still
-references are freed there too (``resize_(0)`` after the wait, [Note: buffer pool]): a block
-whose last reference a worker thread dropped would otherwise count as alive here.
+buffers are all allocated on the training thread. A block whose last reference a worker thread
+drops (a collective's work object still holds it) is freed unseen and counts as alive here, so
+the buffers that can be large, the bucket buffers and the reduction point's agreement vector, are
+freed on the training thread after their wait (``resize_(0)``, [Note: buffer pool]); a few
+scalars and short vectors (tens of bytes, e.g. the normalization count) may still count.
 
 Use it around a backward pass: ``peak`` is then the transient memory of that backward.
 """

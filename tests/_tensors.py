@@ -200,6 +200,24 @@ class ThreeMatrixExperts(nn.Module):
         return out
 
 
+def _memory_recipe(recipe: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    return {"muon": (torch.optim.Muon, MUON), "adamw": (torch.optim.AdamW, ADAMW),
+            "adafactor": (torch.optim.Adafactor, ADAFACTOR)}[recipe]
+
+
+def one_process_state_bytes(recipe: str) -> int:
+    """The optimizer state one process running the same optimizer over all 192 matrices keeps
+    after one step (bytes of its live storages): what the ranks' shares must add up to."""
+    torch.manual_seed(0)
+    model = ThreeMatrixExperts()
+    cls, kwargs = _memory_recipe(recipe)
+    optimizer = cls(model.parameters(), **kwargs)
+    model(torch.randn(8, 48)).backward()
+    optimizer.step()
+    return sum(v.untyped_storage().nbytes() for st in optimizer.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor))
+
+
 def memory_run(rank: int, world: int, recipe: str, lopsided: bool = False) -> dict[str, Any]:
     """One step on the 192-matrix model; the optimizer state measured from the live tensors
     (memory_report) and at allocation level (the net bytes the first step allocated).
@@ -214,8 +232,7 @@ def memory_run(rank: int, world: int, recipe: str, lopsided: bool = False) -> di
 
     torch.manual_seed(0)
     model = ThreeMatrixExperts()
-    cls, kwargs = {"muon": (torch.optim.Muon, MUON), "adamw": (torch.optim.AdamW, ADAMW),
-                   "adafactor": (torch.optim.Adafactor, ADAFACTOR)}[recipe]
+    cls, kwargs = _memory_recipe(recipe)
     sz = SelectedZero2(model, SelZeroConfig(params=["experts.*"], partition="tensors"), cls,
                        dict(kwargs))
     x = torch.randn(8, 48, generator=torch.Generator().manual_seed(rank))

@@ -177,6 +177,9 @@ def memory():
 def test_optimizer_state_per_rank_is_within_ten_percent_of_an_even_share(memory, recipe):
     runs = memory[recipe]
     states = [run["state"] for run in runs]
+    # the shares add up to one process's state: none is kept twice (a review found that a
+    # state duplicated on every rank, or kept whole everywhere, passed the balance checks)
+    assert sum(states) == T.one_process_state_bytes(recipe), (recipe, states)
     share = sum(states) / 3
     for r, state in enumerate(states):
         assert abs(state - share) <= 0.10 * share, (recipe, r, states)
