@@ -250,7 +250,8 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _parse_env_value(var: str, name: str, raw: str) -> Any:
     if name in ("params", "modules", "param_groups", "extra_elementwise_optimizers",
-                "extra_matrix_optimizers", "launch_modules") or (name == "normalize_over" and raw.lstrip().startswith("[")):
+                "extra_matrix_optimizers", "launch_modules") or \
+            (name == "normalize_over" and raw.lstrip().startswith("[")):
         try:
             return json.loads(raw)
         except json.JSONDecodeError:

@@ -43,10 +43,9 @@ from torch import nn
 from .checkpoint.format import ELEMENTWISE, SCALAR, probe_state_shaped
 from .config import SelZeroConfig
 from .core.layout import EntrySpec, plan_layout
-from .core.optim import (check_admitted, override_class, plan_groups, qualified_name,
-                         resolve_optimizer_class)
-from .core.ownership import balance, optimizer_cost
-from .core.zero2 import plan_virtual_owners, probe_groups
+from .core.optim import check_admitted, override_class, plan_groups, resolve_optimizer_class
+from .core.ownership import balance
+from .core.zero2 import plan_virtual_owners, probe_groups, virtual_costs
 from .core.selection import resolve_selection
 from .errors import ConfigError, SelectionError
 
@@ -112,9 +111,8 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
         probe_groups(trainable, groups, cls, kwargs)
         owners = plan_virtual_owners(trainable, groups, cls, world_size)
     layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1,
-                      e.num_experts is not None)
-                          for e in trainable], world_size, int(config.bucket_mb * 2 ** 20),
-                         owners=owners)
+                                    e.num_experts is not None) for e in trainable],
+                         world_size, int(config.bucket_mb * 2 ** 20), owners=owners)
     specs = _state_specs(trainable, groups, cls, kwargs, owned=owners is not None)
     ranks = []
     for r in range(world_size):
@@ -129,11 +127,7 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
     ddp = sum(_ddp_bytes(e, specs[t]) for t, e in enumerate(trainable))
     figure = 1.0
     if owners is not None:
-        group_of = {t: g for g, group in enumerate(groups) for t in group.members}
-        costs = [optimizer_cost(qualified_name(groups[group_of[v.entry]].cls or cls),
-                                groups[group_of[v.entry]].hyper, trainable[v.entry].virtual_shape)
-                 for v in layout.virtuals]
-        figure = balance(costs, owners, world_size)
+        figure = balance(virtual_costs(trainable, groups, cls), owners, world_size)
     model_params = [p for p in model.parameters() if p.requires_grad]
     model_elements = sum(p.numel() for p in model_params)
     zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))

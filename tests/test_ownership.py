@@ -12,7 +12,8 @@ import pytest
 
 from selzero_plugin.core.layout import EntrySpec, plan_layout
 from selzero_plugin.core.ownership import (balance, contiguous_runs, elementwise_cost, is_muon_like,
-                                           loads, newton_schulz_cost, optimizer_cost, plan_owners)
+                                           loads, newton_schulz_cost, optimizer_cost, plan_owners,
+                                           plan_tensor_owners)
 
 
 def _expert_model(experts: int = 64) -> list[tuple[int, int]]:
@@ -83,6 +84,18 @@ def test_contiguous_runs_keep_every_rank_load_and_make_blocks():
     assert sorted(blocks[:8]) == sorted(owners[:8]) and blocks[8:] == owners[8:]
     assert loads(costs, blocks, 3) == loads(costs, owners, 3)
     assert blocks[:8] == sorted(blocks[:8])  # each rank's experts one block
+
+
+def test_the_plan_deals_each_fused_tensor_in_contiguous_blocks():
+    """plan_tensor_owners (the engine's and the offline tools' plan): each fused tensor's
+    experts (consecutive, one key) in contiguous blocks, every rank's load LPT's."""
+    costs = [5.0] * 8 + [4.0] * 6 + [3.0, 2.0]
+    fused = ["a"] * 8 + ["b"] * 6 + [None, None]
+    owners = plan_tensor_owners(costs, fused, 3)
+    for key in ("a", "b"):
+        run = [o for o, f in zip(owners, fused) if f == key]
+        assert run == sorted(run) and len(set(run)) == 3, (key, owners)
+    assert loads(costs, owners, 3) == loads(costs, plan_owners(costs, 3), 3)
 
 
 def _check_uneven_layout(entries, owners, world):

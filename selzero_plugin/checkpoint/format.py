@@ -59,7 +59,7 @@ import torch
 
 from ..core.layout import ceil_div
 from ..core.optim import probe_state_shapes, qualified_name
-from ..core.ownership import contiguous_runs, optimizer_cost, plan_owners
+from ..core.ownership import optimizer_cost, plan_tensor_owners
 from ..core.view import ShardView
 from ..errors import CheckpointError, OptimizerNotSupportedError
 from .atomic import MANIFEST_NAME, fsync_file, is_staging, leftover_stagings, previous_folder
@@ -252,19 +252,14 @@ def replan(raw: dict[str, Any]) -> dict[str, Any]:
     groups = raw["optimizer"]["param_groups"]
     main = raw["optimizer"]["class"]
     shapes = {e["name"]: [int(d) for d in e["shape"]] for e in raw["contract"]["entries"]}
-    costs, runs = [], []
-    for i, v in enumerate(raw["virtuals"]):
+    costs = []
+    for v in raw["virtuals"]:
         shape = shapes[v["entry"]] if v["expert"] is None else shapes[v["entry"]][1:]
         group = groups[int(v["group"])]
         costs.append(optimizer_cost(str(group.get("class") or main), group["hyperparameters"],
                                     shape))
-        previous = raw["virtuals"][i - 1] if i else None
-        if v["expert"] is not None and previous is not None and \
-                previous["entry"] == v["entry"] and previous["expert"] is not None:
-            runs[-1].append(i)
-        elif v["expert"] is not None:
-            runs.append([i])
-    owners = contiguous_runs(plan_owners(costs, int(raw["group_size"])), runs)
+    fused = [v["entry"] if v["expert"] is not None else None for v in raw["virtuals"]]
+    owners = plan_tensor_owners(costs, fused, int(raw["group_size"]))
     for v, owner in zip(raw["virtuals"], owners):
         v["owner"] = owner
     return raw
@@ -427,9 +422,9 @@ class RunSchema:
     virtuals: list[VirtualRecord]  # stateful=False: the live state decides at save time
     optimizer_class: str
     group_state: list[dict[str, StateSpec]]  # chunks: per group; tensors: empty
-    partition: str = "chunks"
-    group_classes: list[str] | None = None
-    virtual_state: list[dict[str, StateSpec]] | None = None  # tensors: predicted, per virtual
+    partition: str
+    group_classes: list[str]  # each group's class (its own, or the main one)
+    virtual_state: list[dict[str, StateSpec]] | None  # tensors: predicted, per virtual
 
 
 def describe_run(view: ShardView) -> RunSchema:
@@ -525,8 +520,7 @@ def check_against_run(manifest: Manifest, run: RunSchema, group_size: int, where
             f"{where} holds state of optimizer {manifest.optimizer_class}; this run uses "
             f"{run.optimizer_class}. Build SelectedZero2 with {manifest.optimizer_class} to "
             "resume, or `selzero consolidate` the checkpoint and convert the state yourself.")
-    saved_classes = manifest.group_classes
-    run_classes = run.group_classes or [run.optimizer_class] * len(saved_classes)
+    saved_classes, run_classes = manifest.group_classes, run.group_classes
     by_key = manifest.virtual_by_key
     for current in run.virtuals:
         saved = by_key[current.key]

@@ -145,11 +145,10 @@ def _write_shard(view: ShardView, run: RunSchema, staging: Path) -> dict[str, An
             continue
         specs = run.virtual_state[chunk.slot.virtual] if run.virtual_state is not None else \
             run.group_state[v.group]
-        classes = run.group_classes or [run.optimizer_class]
         if set(chunk.state) != set(specs):
             raise CheckpointError(f"optimizer state of {v.key!r} has keys {sorted(chunk.state)}, "
                                   f"expected {sorted(specs)} from one step of "
-                                  f"{classes[v.group if run.group_classes else 0]}.")
+                                  f"{run.group_classes[v.group]}.")
         stateful.append(chunk.slot.virtual)
         for key in sorted(specs):
             tensor = chunk.state[key].detach()
@@ -184,7 +183,7 @@ def _finish(view: ShardView, run: RunSchema, records: list[dict[str, Any]], stag
                               run.virtual_state[i] if run.virtual_state is not None else None
                               ).to_json() for i, v in enumerate(run.virtuals)]
     owned = run.virtual_state is not None
-    classes = run.group_classes or [run.optimizer_class] * len(run.group_state)
+    classes = run.group_classes
     cfg = view.config
     from .. import __version__
 

@@ -44,8 +44,9 @@ from .atomic import (MANIFEST_NAME, is_staging, make_staging, previous_folder, p
                      refuse_to_replace)
 from ..errors import CheckpointError
 from .format import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard, chunk_range,
-                     consolidated_plan, piece_range, read_manifest, replan, shard_file_name, shard_plan,
-                     spec_of, state_specs, tensor_key, tensor_shape, whats, write_manifest)
+                     consolidated_plan, piece_range, read_manifest, replan, shard_file_name,
+                     shard_plan, spec_of, state_specs, tensor_key, tensor_shape, whats,
+                     write_manifest)
 from .safetensors_io import LazyShard, StreamingWriter
 
 __all__ = ["open_checkpoint", "verify", "FullStateReader", "iter_full_state", "write_sharded", "reshard",

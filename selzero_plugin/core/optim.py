@@ -306,20 +306,17 @@ class SegmentOptimizer:
         per_group: list[list[nn.Parameter]] = [[] for _ in plans]
         for seg, t in zip(segments, entry_of_segment):
             per_group[self.group_of_entry[t]].append(seg)
-        classes: list[type] = []
-        for plan in plans:
-            c = plan.cls or cls
-            if c not in classes:
-                classes.append(c)
-        built, order = [], []
-        for c in classes:
-            mine = [g for g, plan in enumerate(plans) if (plan.cls or cls) is c]
+        # one torch optimizer per class, in order of first use; order[g]: (optimizer, its group)
+        by_class: dict[type, list[int]] = {}
+        for g, plan in enumerate(plans):
+            by_class.setdefault(plan.cls or cls, []).append(g)
+        built, order = [], [(0, 0)] * len(plans)
+        for m, (c, mine) in enumerate(by_class.items()):
             built.append(build_optimizer(c, [plans[g] for g in mine],
                                          [per_group[g] for g in mine],
                                          defaults if c is cls else {}))
-        for g, plan in enumerate(plans):
-            m = classes.index(plan.cls or cls)
-            order.append((m, sum(1 for h in range(g) if (plans[h].cls or cls) is classes[m])))
+            for i, g in enumerate(mine):
+                order[g] = (m, i)
         self.optimizer: torch.optim.Optimizer = built[0] if len(built) == 1 else \
             MultiOptimizer(built, order)
         self.main = next(g for g, plan in enumerate(plans) if not plan.own)

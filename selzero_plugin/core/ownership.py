@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 __all__ = ["MUON_NS_STEPS", "elementwise_cost", "newton_schulz_cost", "is_muon_like",
-           "optimizer_cost", "plan_owners", "contiguous_runs", "loads", "balance"]
+           "optimizer_cost", "plan_owners", "contiguous_runs", "plan_tensor_owners", "loads", "balance"]
 
 MUON_NS_STEPS = 5  # torch.optim.Muon's default ns_steps
 
@@ -103,6 +103,21 @@ def contiguous_runs(owners: Sequence[int], runs: Sequence[Sequence[int]]) -> lis
         for i, owner in zip(run, sorted(owners[i] for i in run)):
             out[i] = owner
     return out
+
+
+def plan_tensor_owners(costs: Sequence[float], fused: Sequence[Hashable | None],
+                       world: int) -> list[int]:
+    """[Note: ownership plan] over virtual parameters in order, as the engine and the offline
+    tools plan it: ``costs[i]`` is i's cost, ``fused[i]`` the fused tensor it is an expert of
+    (its experts are consecutive) or None; LPT, then each fused tensor's owners in contiguous
+    blocks."""
+    runs: list[list[int]] = []
+    for i, key in enumerate(fused):
+        if key is not None and i and fused[i - 1] == key:
+            runs[-1].append(i)
+        elif key is not None:
+            runs.append([i])
+    return contiguous_runs(plan_owners(costs, world), runs)
 
 
 def loads(costs: Sequence[float], owners: Sequence[int], world: int) -> list[float]:

@@ -166,21 +166,13 @@ class ShardStorage:
             return
         key = ("pack", bucket, row.data_ptr(), row.dtype)
         dsts = self._views.get(key)
-        if dsts is None:
+        if dsts is None:  # in the segments' shapes (whole-tensor ownership: the tensor's)
             dsts = [row[self.slots[i].row_offset:self.slots[i].row_offset + self.slots[i].numel]
-                    for i in ids]
+                    .view(self.shapes[i]) for i in ids]
             if persistent:
                 self._views[key] = dsts
-        segments = self._bucket_segments[bucket]
         with torch.no_grad():
-            if self.layout.owned:  # whole (virtual) tensors in their own shapes: flat views
-                ptrs = tuple(seg.data_ptr() for seg in segments)
-                flat = self._views.get(("flat", bucket))
-                if flat is None or flat[0] != ptrs:
-                    flat = (ptrs, [seg.detach().view(-1) for seg in segments])
-                    self._views[("flat", bucket)] = flat
-                segments = flat[1]
-            torch._foreach_copy_(dsts, segments)
+            torch._foreach_copy_(dsts, self._bucket_segments[bucket])
 
     def unpack_rows(self, bucket: int, rows: torch.Tensor, *, persistent: bool = False) -> None:
         """Rebuild the full parameters of ``bucket`` from its gathered buffer (1-D, the rows

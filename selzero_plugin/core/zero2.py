@@ -35,9 +35,10 @@ from .comm import Communicator, group_ranks
 from .contract import Field, agree_on_local_errors, check_contract
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
 from .optim import (GroupPlan, SegmentOptimizer, build_optimizer, check_admitted,
-                    check_hyperparameters, jsonable, probe_state_shapes, override_class, plan_groups, plan_groups_from_host, qualified_name,
+                    check_hyperparameters, jsonable, override_class, plan_groups,
+                    plan_groups_from_host, probe_state_shapes, qualified_name,
                     resolve_optimizer_class, stepped_state)
-from .ownership import contiguous_runs, optimizer_cost, plan_owners
+from .ownership import optimizer_cost, plan_tensor_owners
 from .report import MemoryReport, StepResult
 from .selection import SelectedEntry, resolve_selection
 from .storage import ShardStorage
@@ -46,7 +47,7 @@ from .view import Chunk, ShardView
 from .window import ReductionWindow, WindowState
 
 __all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io",
-           "owning_instance", "plan_virtual_owners", "probe_groups"]
+           "owning_instance", "plan_virtual_owners", "probe_groups", "virtual_costs"]
 
 
 class CheckpointIO(Protocol):
@@ -658,21 +659,24 @@ def _is_expert_groups(group: Any) -> bool:
     return all(hasattr(group, a) for a in ("expert_data_parallel", "ep_rank", "ep_size"))
 
 
-def plan_virtual_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
-                        world: int) -> list[int]:
-    """[Note: ownership plan] (ownership.py): LPT on each virtual parameter's cost under the
-    optimizer class of its group, experts of one fused tensor in contiguous blocks."""
+def virtual_costs(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type
+                  ) -> list[float]:
+    """Each virtual parameter's cost ([Note: ownership plan]) under its group's class."""
     group_of = {t: g for g, plan in enumerate(plans) for t in plan.members}
     costs: list[float] = []
-    runs: list[list[int]] = []
     for t, entry in enumerate(trainable):
         plan = plans[group_of[t]]
         cost = optimizer_cost(qualified_name(plan.cls or cls), plan.hyper, entry.virtual_shape)
-        first = len(costs)
         costs += [cost] * (entry.num_experts or 1)
-        if entry.num_experts:
-            runs.append(list(range(first, len(costs))))
-    return contiguous_runs(plan_owners(costs, world), runs)
+    return costs
+
+
+def plan_virtual_owners(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: type,
+                        world: int) -> list[int]:
+    """The owning group rank of each virtual parameter ([Note: ownership plan], ownership.py)."""
+    fused = [t if entry.num_experts else None
+             for t, entry in enumerate(trainable) for _ in range(entry.num_experts or 1)]
+    return plan_tensor_owners(virtual_costs(trainable, plans, cls), fused, world)
 
 
 _DEVICE_FLAGS = ("fused", "foreach", "capturable", "differentiable")
@@ -697,11 +701,11 @@ def probe_groups(trainable: list[SelectedEntry], plans: list[GroupPlan], cls: ty
             probe = nn.Parameter(torch.empty(shape, device="meta"))
             try:
                 build_optimizer(c, [GroupPlan(hyper, [])], [[probe]], base)
+            except OptimizerNotSupportedError:
+                raise
             except (ValueError, TypeError, RuntimeError) as e:
                 what = f" (each expert of the fused tensor, shape {list(shape)})" \
                     if entry.num_experts else f" (shape {list(shape)})"
-                if isinstance(e, OptimizerNotSupportedError):
-                    raise
                 raise ConfigError(
                     f"parameter {entry.name!r}{what} is in optimizer group {g}, run by "
                     f"{qualified_name(c)}, which refuses it: {e}. Give such parameters a param "
