@@ -154,14 +154,17 @@ def _check_optimizer_holds_selection(model: nn.Module, cfg: SelZeroConfig,
             "params.")
 
 
-class _Holder:
-    """What Accelerate's ``ignored_modules`` needs: an object with ``.parameters()``."""
+class _IgnoredParameters(nn.Module):
+    """The selected parameters as one module of their own, for Accelerate's FSDP2
+    ``ignored_modules`` (a list of modules whose ``parameters()`` become ``fully_shard``'s
+    ``ignored_params``). It is a real ``nn.Module`` because Accelerate treats it as one: since
+    1.16 it calls ``.to(accelerator.device)`` on every entry. It is not a child of the model:
+    the model's names, state dict and modules are unchanged."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self._params = params
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return iter(self._params)
+        super().__init__()
+        for i, p in enumerate(params):
+            self.register_parameter(f"selected_{i}", p)
 
 
 def _ignore_in_fsdp_plugin(plugin: Any, model: nn.Module, params: list[nn.Parameter]) -> None:
@@ -173,7 +176,7 @@ def _ignore_in_fsdp_plugin(plugin: Any, model: nn.Module, params: list[nn.Parame
     if isinstance(existing, str):
         pattern = re.compile(existing)
         existing = [m for n, m in model.named_modules() if pattern.fullmatch(n)]
-    plugin.ignored_modules = [*(existing or []), _Holder(params)]
+    plugin.ignored_modules = [*(existing or []), _IgnoredParameters(params)]
 
 
 def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) -> None:
