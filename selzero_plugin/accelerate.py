@@ -110,11 +110,7 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         # where prepare would put it, before selzero binds its segments to the parameters'
         # storage (moving the module later would replace that storage)
         model.to(accelerator.device)
-    sz = SelectedZero2(model, cfg, host_opt)
-    if not sz.entries:
-        raise SelectionError(f"selzero config: params={list(cfg.params)} modules="
-                             f"{list(cfg.modules)} select no parameter of the model; check the "
-                             "names with model.named_parameters().")
+    sz = SelectedZero2(model, cfg, host_opt)  # (a selection of nothing is refused there)
     if fsdp:
         _ignore_in_fsdp_plugin(accelerator.state.fsdp_plugin, model, [e.param for e in sz.entries])
     elif kind != DistributedType.NO:

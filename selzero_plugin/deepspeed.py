@@ -51,7 +51,7 @@ from .core.optim import stepped_state
 from .core.selection import resolve_selection
 from .core.window import WindowState
 from .core.zero2 import SelectedZero2, owning_instance
-from .errors import CheckpointError, ConfigError, SelectionError, SelZeroError, UsageError
+from .errors import CheckpointError, ConfigError, SelZeroError, UsageError
 from .groups import expert_data_parallel_groups
 
 __all__ = ["initialize", "register", "TESTED_VERSIONS", "ENTRY"]
@@ -723,11 +723,6 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         entries = resolve_selection(model, params=list(sz_config.params),
                                     modules=list(sz_config.modules),
                                     expert_dim=sz_config.expert_dim)
-        if not entries:
-            raise SelectionError(
-                f"\"selected_zero2\": params={list(sz_config.params)} modules="
-                f"{list(sz_config.modules)} select no parameter of the model; check the names "
-                "with `selzero plan` or model.named_parameters().")
         _refuse_misuse(model, entries, bound.arguments.get("optimizer"))
     except SelZeroError as e:
         error = e

@@ -117,14 +117,10 @@ def _initial(prepare):
 
 
 @pytest.mark.multiproc
-def test_empty_selection_works_and_step_does_nothing(runs):
+def test_cannot_build_an_instance_that_selects_nothing(runs):
+    """Every rank raises the same SelectionError, naming the closest parameter names."""
     world, outcomes = runs
     for res in value_of(outcomes, "empty"):
-        assert res["selected"] == [] and res["trainable"] == []
-        assert res["state_parameter_count"] == 0 and res["memory"].total == 0
-        mean, weighted, summed = res["results"]
-        assert (mean.global_weight, weighted.global_weight, summed.global_weight) == (
-            world, world * (world + 1) // 2, world)
-        for result in res["results"]:
-            assert (result.updated, result.skipped_absent, result.skipped_nonfinite) == (0, 0, 0)
-        assert res["unchanged"] and res["grads_kept"]
+        assert res["error"] is not None and res["unchanged"]
+        assert "params=['expert.*.w1.*'] select no parameter" in res["error"]
+        assert "'experts." in res["error"].split("Closest names:")[1]

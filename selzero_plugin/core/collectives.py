@@ -10,17 +10,19 @@ none came; padding positions hold whatever the block held and are never read. At
 ``max_alive`` (two) buffers exist at any moment: before a new one is allocated, the oldest
 launched reduction is finished first.
 Finishing waits: on NCCL the current stream waits for the collective (the host runs on, and the
-caching allocator reuses the buffer in stream order); on gloo the host blocks. Every rank
-launches a bucket at the same point of its backward (a unit's post-backward, or the
-end-of-backward callback, which runs before the host's own end-of-backward wait), and only waits
-for buckets it launched earlier, so a wait never needs a collective another rank issues later.
-One exception is an error case: a unit that ran on some ranks only (reported at the reduction
-point) makes them launch its buckets at the end of backward instead; with several instances,
-a gloo rank blocked on one instance's bucket could then wait for a peer blocked on another's.
-So inside backward a gloo rank waits at most ``PATIENCE_S`` for a reduction; if it is still
-running, that backward stops bounding its buffers instead of blocking longer.
-The bound can be exceeded only by a unit that holds more than two buckets: its buckets all wait
-for its post-backward.
+caching allocator reuses the buffer in stream order); on gloo the host blocks, as long as the
+communicator's timeout allows: a slower peer (a rank with hot experts) is no reason to hold
+more memory. Every rank launches a bucket at the same point of its backward (a unit's
+post-backward, or the end-of-backward callback, which runs before the host's own end-of-backward
+wait), and only waits for buckets it launched earlier, so a wait never needs a collective
+another rank issues later. One exception: a bucket launched *early*, because its units did not
+run in this rank's forward ([Note: launch order] in window.py), is launched by a rank where they
+ran at their post-backward; if they ran on some ranks only (an error the reduction point
+reports), a gloo rank blocked on it could wait for a peer blocked on a host's collective or on
+another instance's bucket. So for an early bucket a gloo rank waits at most ``PATIENCE_S``; if
+it is still running, that backward stops bounding its buffers instead of blocking longer.
+The bound can be exceeded only by a unit that holds more than two buckets (its buckets all wait
+for its post-backward) and by buckets launched at the end of backward.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,6 +92,17 @@ class BufferPool:
             storage.resize_(0)
 
 
+@dataclass
+class _Launched:
+    """A launched reduction of one bucket, until finished."""
+
+    bucket: int
+    work: RowWork
+    buffer: torch.Tensor  # 1D, N rows
+    early: bool = False  # launched because its units did not run here (see the Note)
+    discarded: bool = False  # a dead micro-step's: its result is never used (launch_rest_now)
+
+
 class BucketCollectives:
     def __init__(self, comm: Communicator, layout: Layout, storage: ShardStorage, *,
                  max_alive: int = 2) -> None:
@@ -102,13 +116,13 @@ class BucketCollectives:
                                keep=min(max_alive, len(layout.buckets)))  # no idle block
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
-        self.pending: deque[tuple[int, RowWork, torch.Tensor]] = deque()
+        self.pending: deque[_Launched] = deque()  # launched reductions, oldest first
         # launch order: bucket order (reverse model order) until the window adopts the order in
         # which the launch units pass; buckets order[:next_launch] were launched this micro-step
         self.order = list(range(len(layout.buckets)))
         self.position = list(range(len(layout.buckets)))
         self.next_launch = 0
-        # a gloo host blocks in wait(): inside backward it waits with patience (see the Note)
+        # a gloo host blocks in wait(): for early buckets it waits with patience (see the Note)
         self.patience_s = PATIENCE_S if comm.emulate else None
         self.unbounded = False  # this micro-step gave up bounding its buffers
         n = len(layout.buckets)  # labels of CollectiveError messages, made once
@@ -158,12 +172,14 @@ class BucketCollectives:
         buffer = self.buffers[b]
         if buffer is None:
             while self.pending and self.alive() >= self.max_alive and not self.unbounded:
-                if not self._finish_oldest(patience_s=self.patience_s):
+                patience = self.patience_s if self.pending[0].early else None
+                if not self._finish_oldest(patience_s=patience):
                     self.unbounded = True
-                    logger.warning("selzero: a reduce-scatter did not finish within %.0f s (a "
-                                   "peer launches it later: a launch unit that did not run "
-                                   "there?); this backward no longer bounds its buffers.",
-                                   self.patience_s)
+                    logger.warning("selzero: the reduce-scatter of bucket %d, launched early "
+                                   "because its launch units did not run on this rank, did not "
+                                   "finish within %.0f s (a peer where they ran launches it "
+                                   "later); this backward no longer bounds its buffers.",
+                                   self.pending[0].bucket, patience)
             # not zeroed: every real position is written by a gradient or zeroed at launch;
             # padding is never read
             buffer = self.pool.take(self.layout.buckets[b].buffer_numel(self.comm.size), _FP32)
@@ -171,12 +187,28 @@ class BucketCollectives:
         return buffer
 
     def alive(self) -> int:
-        return sum(b is not None for b in self.buffers) + len(self.pending)
+        return sum(b is not None for b in self.buffers) + \
+            sum(not p.discarded for p in self.pending)
 
-    def launch_next(self, zero_if: torch.Tensor | None = None) -> None:
+    def launch_next(self, zero_if: torch.Tensor | None = None, *, early: bool = False) -> None:
         """Reduce-scatter the next bucket; zeros where no gradient arrived, and zeros
-        throughout when the 0-dim bool ``zero_if`` is true (an inactive rank under ``sum``)."""
-        b = self.next_bucket()
+        throughout when the 0-dim bool ``zero_if`` is true (an inactive rank under ``sum``).
+        ``early``: launched because its units did not run here (see the Note)."""
+        self._launch(self.next_bucket(), zero_if, early)
+        self.next_launch += 1
+
+    def reduce_late(self, b: int, grads: dict[int, torch.Tensor]) -> None:
+        """One more reduction of bucket ``b`` after the micro-step's own, added into the shard:
+        ``grads`` are this rank's late gradients of its entries (flat FP32), zeros for the
+        others. Every rank calls it for the same buckets in the same order ([Note: late
+        gradients] in window.py)."""
+        assert not self.pending and self.next_launch == 0
+        for t, grad in grads.items():
+            self.fill(t, grad)
+        self._launch(b, None, False)
+        self.finish_all()
+
+    def _launch(self, b: int, zero_if: torch.Tensor | None, early: bool) -> None:
         buffer = self._buffer(b)
         for t in self.layout.buckets[b].entries:
             if t not in self.filled[b]:  # no gradient this micro-step: zeros
@@ -188,20 +220,44 @@ class BucketCollectives:
         self.filled[b] = set()
         self.comm.what = self.labels["gradient"][b]
         try:
-            self.pending.append((b, self.comm.reduce_scatter_rows(
-                buffer, self.layout.buckets[b].row_numels or None), buffer))
+            self.pending.append(_Launched(b, self.comm.reduce_scatter_rows(
+                buffer, self.layout.buckets[b].row_numels or None), buffer, early))
         finally:
             self.comm.what = ""
-        self.next_launch += 1
 
     def launch_rest(self) -> None:
         while not self.all_launched():
             self.launch_next()
 
+    def launch_rest_now(self) -> None:
+        """Launch the rest of this micro-step's buckets without waiting for any: a backward
+        raised on this rank ([Note: a backward that raised] in window.py), and a peer still in
+        its backward may be waiting for them. Their values are never used (the window is
+        dropped on every rank that ran this micro-step, or the ranks' drop counts differ and
+        every rank raises), so they share one scratch buffer of the largest remaining bucket:
+        no more memory than one bucket, and nothing to wait for before launching."""
+        if self.all_launched():
+            return
+        n = self.comm.size
+        rest = [self.order[i] for i in range(self.next_launch, len(self.order))]
+        scratch = torch.zeros(max(self.layout.buckets[b].buffer_numel(n) for b in rest),
+                              dtype=_FP32, device=self.comm.device)
+        for b in rest:
+            spec = self.layout.buckets[b]
+            buffer = scratch[:spec.buffer_numel(n)]
+            self.comm.what = self.labels["gradient"][b]
+            try:
+                work = self.comm.reduce_scatter_rows(buffer, spec.row_numels or None)
+            finally:
+                self.comm.what = ""
+            self.pending.append(_Launched(b, work, buffer, discarded=True))
+        self.next_launch = len(self.order)
+
     def _finish_oldest(self, patience_s: float | None = None) -> bool:
         """Finish the oldest launched reduction; with ``patience_s``, only if it completes
         within that time (False: still running, left pending)."""
-        b, work, buffer = self.pending[0]
+        launched = self.pending[0]
+        b, work, buffer = launched.bucket, launched.work, launched.buffer
         if patience_s is not None:
             deadline = time.monotonic() + patience_s
             while not work.is_completed():
@@ -209,8 +265,16 @@ class BucketCollectives:
                     return False
                 time.sleep(0.0002)
         self.pending.popleft()
-        self.storage.accumulate(b, work.wait())
-        self.pool.give(buffer)
+        row = work.wait()
+        if launched.discarded:  # a view of the shared scratch, freed with the last of them
+            if not any(p.discarded for p in self.pending):
+                buffer.untyped_storage().resize_(0)
+        else:
+            self.storage.accumulate(b, row)
+            self.pool.give(buffer)
+        if row.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            row.untyped_storage().resize_(0)  # NCCL's output row: its work is kept ([Note:
+            # work objects at exit] in comm.py), its memory need not be
         return True
 
     def finish_all(self) -> None:
@@ -300,3 +364,6 @@ class BucketCollectives:
         with torch.no_grad():
             for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                 t.copy_(value)
+        if all(flat.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+               for t in tensors):  # (one tensor is flattened as a view of itself)
+            flat.untyped_storage().resize_(0)  # its work is kept ([Note: work objects at exit])

@@ -51,10 +51,26 @@ layer of which job stopped and why. On NCCL a timed-out collective is the watchd
 synchronous failure is wrapped the same way. The engine's state on a rank whose collective failed
 is not to be stepped again: the peers are gone. Checkpoints are untouched (a save in progress is
 staged; [Note: atomic save]).
+
+[Note: work objects at exit]
+A launched collective's work object is held twice: by the caller and by the process group's
+worker thread (gloo's ``runLoop``, NCCL's watchdog), which drops its reference some time after
+the work completed. Whoever drops the last reference destroys the work and the tensors it holds;
+a tensor made in Python then decrements its Python object, which takes the GIL. On a worker
+thread during interpreter shutdown that kills the thread inside a C++ destructor:
+``terminate called without an active exception``, SIGABRT, a job that trained correctly and
+exits -6 (measured: the core's worker thread was destroying the all-gather's
+``AsyncBroadcastWork``). So every work selzero waits for is kept after its ``wait()`` in a
+bounded queue of the communicator (``retired``), synchronous collectives included (they run as
+asynchronous ones waited at once): the worker's release is then never the last, and the works
+die on the training thread, with the communicator, whether or not the program called
+``destroy_process_group()``. The works hold views of pooled blocks, small control tensors or
+storages already freed (``resize_(0)``): keeping them costs no memory.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import threading
@@ -131,11 +147,13 @@ class _Guarded:
 
     def wait(self) -> Any:
         try:
-            return self._work.wait()
+            out = self._work.wait()
         except CollectiveError:
             raise
         except RuntimeError as e:
             raise self._comm.failure(self._op, self._t, self._start, e, self._what) from e
+        self._comm.retired.append(self._work)  # [Note: work objects at exit]
+        return out
 
     def is_completed(self) -> bool:
         try:
@@ -149,6 +167,7 @@ class _Guarded:
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+_RETAINED = 512  # completed works a communicator keeps ([Note: work objects at exit])
 _GROUPS: dict[tuple[int, tuple[int, ...], float], Any] = {}
 _CREATED: dict[tuple[int, str, tuple[int, ...]], int] = {}
 _NAMING = threading.Lock()
@@ -226,6 +245,8 @@ class Communicator:
         self.timeout_s = timeout_s
         self.label = label  # what the group is for, in error messages
         self.what = ""  # set by callers around a phase (e.g. "bucket 3 reduce-scatter")
+        # works already waited for, kept so that no worker thread destroys them
+        self.retired: collections.deque[Any] = collections.deque(maxlen=_RETAINED)
 
     @classmethod
     def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device,
@@ -281,6 +302,11 @@ class Communicator:
 
     def _async(self, op: str, t: torch.Tensor, fn: Any) -> _Guarded:
         return _Guarded(self._sync(op, t, fn), self, op, t)
+
+    def _blocking(self, op: str, t: torch.Tensor, fn: Any) -> None:
+        """A collective launched asynchronously by ``fn`` and waited for here (so its work is
+        retired like the others: [Note: work objects at exit])."""
+        self._async(op, t, fn).wait()
 
     def _record(self, op: str, t: torch.Tensor) -> None:
         if self.trace is not None:
@@ -350,9 +376,12 @@ class Communicator:
         self._record("all_reduce", tensor)
         if self.size == 1:
             return _Done()
-        work = self._sync("all_reduce", tensor, lambda: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=async_op))
-        return _Guarded(work, self, "all_reduce", tensor) if async_op else _Done()
+        work = self._async("all_reduce", tensor, lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=True))
+        if async_op:
+            return work
+        work.wait()
+        return _Done()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Gather ``input`` of every rank into ``output`` (rank-major); small tensors only."""
@@ -360,14 +389,15 @@ class Communicator:
         if self.size == 1:
             output.copy_(input)
             return
-        self._sync("all_gather", output, lambda: _ALL_GATHER(output, input, group=self.group))
+        self._blocking("all_gather", output, lambda: _ALL_GATHER(output, input, group=self.group,
+                                                                 async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0) -> None:
         """Broadcast from group rank ``src``."""
         self._record("broadcast", tensor)
         if self.size > 1:
-            self._sync("broadcast", tensor,
-                       lambda: dist.broadcast(tensor, group=self.group, group_src=src))
+            self._blocking("broadcast", tensor, lambda: dist.broadcast(
+                tensor, group=self.group, group_src=src, async_op=True))
 
     # ---- byte messages (no pickle): a fixed-size length, then the payload -------------------
 

@@ -29,6 +29,7 @@ checkpoint tied to its layout).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from dataclasses import dataclass
@@ -97,7 +98,9 @@ def matches_any(name: str, patterns: list[str]) -> bool:
 
 def resolve_selection(model: nn.Module, *, params: list[str], modules: list[str],
                       expert_dim: int | None) -> list[SelectedEntry]:
-    """Selected entries in model visitation order; refuses ties crossing the selection boundary."""
+    """Selected entries in model visitation order; refuses ties crossing the selection boundary
+    and a selection that takes nothing (an instance owning nothing would leave the job to run
+    as plain DDP, silently)."""
     by_tensor: dict[int, list[str]] = {}
     tensors: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -122,8 +125,32 @@ def resolve_selection(model: nn.Module, *, params: list[str], modules: list[str]
         entries.append(SelectedEntry(names[0], tuple(names[1:]), p, experts, global_name,
                                      tuple(_place(model, n, experts)[1] for n in names[1:]),
                                      placement))
+    if not entries:
+        raise SelectionError(_nothing_selected(params, modules, by_tensor, model))
     _check_one_device(entries)
     return entries
+
+
+def _nothing_selected(params: list[str], modules: list[str], by_tensor: dict[int, list[str]],
+                      model: nn.Module) -> str:
+    """The message for a selection that takes no parameter: the closest names, the classes."""
+    names = [n for group in by_tensor.values() for n in group]
+    if not names:
+        return "the model has no parameters: there is nothing for selzero to take."
+    close: list[str] = []
+    for pattern in params:
+        literal = pattern[3:] if pattern.startswith("re:") else pattern
+        literal = re.sub(r"[\[\]\\^$.|?*+(){}]+", ".", literal).strip(".")
+        for n in difflib.get_close_matches(literal, names, n=3, cutoff=0.0):
+            if n not in close:
+                close.append(n)
+    classes = sorted({type(m).__name__ for m in model.modules()})
+    what = f"params={list(params)}" + (f" modules={list(modules)}" if modules else "")
+    return (f"{what} select no parameter of the model ({len(names)} parameter names, e.g. "
+            f"{names[:3]}). Closest names: {close[:5]}. Globs are fnmatch over the full names "
+            "of model.named_parameters() ('*' also matches dots: '*.experts.*'), 're:<regex>' "
+            f"a regular expression; modules= takes class names (this model's: {classes[:8]}). "
+            "Check the names with model.named_parameters() or `selzero plan`.")
 
 
 def _names_under_modules(model: nn.Module, classes: list[str]) -> set[str]:

@@ -30,12 +30,43 @@ optimizer skips it: no update, no weight decay, no step count.
 
 [Note: a backward that raised]
 An exception inside backward (an OOM on one batch) leaves the micro-step open: its
-end-of-backward callback never runs. The next forward of the model (outside backward), the next
-reduction point, or ``zero_grad()`` sees that and drops the window: when buckets launch during
-backward, the rest of that micro-step's buckets are launched and finished first (every rank that
-skipped the batch does the same, so the collective schedule stays whole), then every gradient,
-shard value and presence record of the window is forgotten. The next reduction point checks
-that every rank dropped the same number of windows.
+end-of-backward callback never runs. The next forward of the model notices (outside backward)
+and marks the window *dead*, locally: a forward may run on one rank alone (a validation
+forward), so nothing is communicated there. The window is dropped at the next point every rank
+of the group reaches: the start of the next backward into selzero's parameters, a reduction
+point, ``zero_grad()``, a checkpoint save or load, ``sync_from_params(broadcast=True)``. When
+buckets launch during backward, every rank whose dead micro-step reached selzero first launches
+the rest of that micro-step's buckets (zero-filled) and finishes them, so each such rank issued
+exactly one reduction per bucket, wherever its backward failed; then every gradient, shard value
+and presence record of the window is forgotten. A rank counts the drop when the window held
+something before that micro-step, or when the micro-step's collectives had to be completed: so
+ranks that skipped the same batch count the same, wherever their backward failed, and the next
+reduction point checks that every rank dropped the same number of windows (a rank that did
+not skip, or that failed before its backward reached selzero at all, is told so on every
+rank; ``zero_grad()`` on every rank reconciles the latter, agreeing how many buckets any rank
+launched).
+
+[Note: late gradients]
+A gradient that reaches selzero after its bucket was launched (a parameter used outside its
+launch unit, a unit re-run by a reentrant activation checkpoint, a module applied twice) is kept,
+full size in FP32, beside the window. The reduction point's control vector says which entries got
+late gradients on any rank; every rank then reduces those buckets once more, in bucket order
+(zeros where it has none), adds the result to its shard, and from then on launches those buckets
+at the end of backward, when every gradient is in (one log line). The result equals plain
+torch; the cost is one more reduction per such bucket, once.
+
+[Note: launch order]
+Buckets launch in one order, the same on every rank. It starts as bucket order (reverse model
+order) and follows the backward as group rank 0 saw it at every reduction point: buckets whose
+units all passed there are put in the order they became ready, keeping the places of buckets
+whose units did not run in that micro-step (a layer skipped everywhere: one odd step does not
+move them for good); buckets whose units cannot fire (inputs that need no gradient) and buckets
+that got late gradients go last, launched at the end of backward. Inside a backward, a bucket
+whose units did not run in this forward (expected nowhere in it) launches at its turn,
+zero-filled. A gloo rank waits for an older launched bucket as long as the communicator's timeout
+allows (a slower peer is not a reason to hold more memory), except for buckets launched because
+their units did not run here: those it waits for at most ``PATIENCE_S`` (a peer where the unit
+ran launches them later), then stops bounding that backward's buffers.
 """
 
 from __future__ import annotations
@@ -58,7 +89,7 @@ from .collectives import BucketCollectives
 from .comm import Communicator
 from .layout import Layout
 from .selection import SelectedEntry
-from .storage import ShardStorage
+from .storage import ShardStorage, holds_nonfinite
 from .units import Units
 
 __all__ = ["WindowState", "Decision", "ReductionWindow"]
@@ -66,9 +97,12 @@ __all__ = ["WindowState", "Decision", "ReductionWindow"]
 logger = logging.getLogger("selzero_plugin")
 
 _FP32, _I64 = torch.float32, torch.int64
+# group rank 0's state of each launch unit in a micro-step, in the control vector: the position
+# (1, 2, ...) at which it passed, or
+_UNIT_DID_NOT_RUN, _UNIT_CANNOT_FIRE = 0, -1
 _PHASE_END_MICROSTEP, _PHASE_REDUCE = 1, 2
 _ARG_NONE, _ARG_WEIGHT, _ARG_ACTIVE = 0, 1, 2
-_ERR_NONE, _ERR_ARG_NOT_ACCEPTED, _ERR_WEIGHT_MISSING, _ERR_BAD_VALUE = 0, 1, 2, 3
+_ERR_NONE, _ERR_ARG_NOT_ACCEPTED, _ERR_WEIGHT_MISSING, _ERR_BAD_VALUE, _ERR_SCALED = 0, 1, 2, 3, 4
 _ERR_TEXT = {
     _ERR_ARG_NOT_ACCEPTED: "passed an argument its reduction mode does not take",
     _ERR_WEIGHT_MISSING: "called reduce_gradients/step without weight= under reduction='weighted'",
@@ -94,6 +128,7 @@ class Decision:
     updated: int
     skipped_absent: int
     skipped_nonfinite: int
+    nonfinite: bool = False  # the reduced subset (or, under a GradScaler, the host) held inf/NaN
 
 
 def _in_backward() -> bool:
@@ -117,7 +152,8 @@ class _Control:
     does not depend on the phase, so ranks that make different calls still pair one all-reduce
     and then all raise."""
 
-    def __init__(self, ranks: int, entries: int, units: int, virtuals: int) -> None:
+    def __init__(self, ranks: int, entries: int, units: int, virtuals: int,
+                 frozen: int) -> None:
         self.size = 0
         self.signature = self._take(ranks)  # one code per rank: phase, argument kind, error
         self.second_backward = self._take(ranks)
@@ -126,11 +162,12 @@ class _Control:
         self.active = self._take(1)
         self.weight = self._take(1)
         self.nonfinite = self._take(1)
-        self.late = self._take(entries)
+        self.late = self._take(entries)  # ranks with gradients that came after the launch
         self.passed = self._take(units)
-        self.order = self._take(units)  # group rank 0's order of unit post-backwards
+        self.order = self._take(units)  # group rank 0's unit states: see _UNIT_* below
         self.presence = self._take(virtuals)
         self.binding = self._take(KINDS * entries)  # ranks that see each entry rebound
+        self.unfrozen = self._take(frozen)  # ranks where a frozen selected parameter trains
 
     def _take(self, n: int) -> slice:
         s = slice(self.size, self.size + n)
@@ -143,7 +180,8 @@ class ReductionWindow:
 
     def __init__(self, *, config: SelZeroConfig, comm: Communicator, layout: Layout,
                  storage: ShardStorage, collectives: BucketCollectives,
-                 trainable: list[SelectedEntry], units: Units, model: nn.Module,
+                 trainable: list[SelectedEntry], frozen: list[SelectedEntry], units: Units,
+                 model: nn.Module,
                  normalize_size: int,
                  normalize_weight: Callable[[torch.Tensor, bool], tuple[int, bool]] | None,
                  control_comm: Callable[[], Communicator], bindings: Bindings) -> None:
@@ -154,6 +192,7 @@ class ReductionWindow:
         self.storage = storage
         self.collectives = collectives
         self.trainable = trainable
+        self.frozen = frozen  # selected, frozen at construction: no slot; must stay frozen
         self.units = units
         self.model = model
         self.normalize_size = normalize_size  # size of the normalize_over rank set
@@ -165,7 +204,7 @@ class ReductionWindow:
                              for spec in layout.buckets]
         device = comm.device
         v = len(layout.virtuals)
-        self.control = _Control(comm.size, len(trainable), len(units.names), v)
+        self.control = _Control(comm.size, len(trainable), len(units.names), v, len(frozen))
         # presence of this micro-step: whole parameters on the host (no kernel per gradient),
         # the rows of split fused experts on the device (whether a row is zero is a device fact)
         self.present: set[int] = set()
@@ -173,12 +212,26 @@ class ReductionWindow:
         self.window_presence = torch.zeros(v, dtype=_I64, device=device)
         self.window_active = torch.zeros((), dtype=_I64, device=device)
         self.local: dict[int, torch.Tensor] = {}  # no_sync accumulation, full size FP32 (1D)
+        # gradients that came after their bucket's launch ([Note: late gradients]), full FP32
+        self.late_grads: dict[int, torch.Tensor] = {}
+        self.deferred: set[int] = set()  # buckets launched at the end of backward from now on
         self.sync = True  # False inside no_sync()
-        self.order_adopted = False
+        self.order_logged = False
         self.logged_first_backward = False
-        self.dropped = 0  # windows dropped (since the last agreement), see _drop_if_interrupted
+        self.dropped = 0  # windows dropped (since the last agreement), see settle()
+        # [Note: a backward that raised]: a dead window waits for settle(); dead_schedule: its
+        # micro-step's bucket collectives are to be completed there
+        self.dead = False
+        self.dead_schedule = False
+        self.dead_launched = False  # its rest was launched when the backward raised
+        self.held_at_open = False  # the window held something when this micro-step opened
+        # selzero_plugin/amp.py: a GradScaler scaled this window's loss; its unscale_ ran
+        self.scaled = False
+        self.unscaled = False
         self.decision: Decision | None = None
         self.forward_counts = [0] * len(units.names)  # unit forwards in the running model forward
+        self.forward_unfirable: set[int] = set()  # units it ran whose inputs need no gradient
+        self.forward_ran: set[int] = set()  # units it ran at all
         self._probes: list[Any] = []
         self._hooks: list[Any] = []
         self._reset()
@@ -223,17 +276,21 @@ class ReductionWindow:
             self._on_unit_passed(u)
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            # A forward during backward is an activation-checkpoint recompute: it may fire (a
+            # reentrant checkpoint's inner backward) or never (a non-reentrant one), so it is
+            # not waited for; see _on_pre_backward for the forwards that are. A forward under
+            # no_grad inside the model's (a reentrant checkpoint's first pass) ran all the same.
+            outside = not _in_backward()
+            if outside:
+                self.forward_ran.add(u)
             if not torch.is_grad_enabled():
                 return None
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
             if not idx:
-                self.unfirable.add(u)
+                self.forward_unfirable.add(u)
                 return None
-            # A forward during backward is an activation-checkpoint recompute: it may fire (a
-            # reentrant checkpoint's inner backward) or never (a non-reentrant one), so it is
-            # not waited for; see _on_pre_backward for the forwards that are.
-            if not _in_backward():
+            if outside:
                 self.forward_counts[u] += 1
             leaves = [i for i in idx if flat[i].is_leaf]
             if leaves:
@@ -246,8 +303,10 @@ class ReductionWindow:
 
     def _on_model_forward_start(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
-            self._drop_if_interrupted()
+            self._note_interrupted()  # local only: this forward may run on one rank alone
             self.forward_counts = [0] * len(self.units.names)
+            self.forward_unfirable = set()
+            self.forward_ran = set()
 
     def _on_model_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or _in_backward():
@@ -260,15 +319,24 @@ class ReductionWindow:
         # forward (a forward that is never backwarded counts for nothing), and the no_sync()
         # mode at forward time (as DDP decides it).
         counts, sync = list(self.forward_counts), self.sync
+        unfirable, ran = set(self.forward_unfirable), set(self.forward_ran)
 
         def pre_backward(_grad: torch.Tensor) -> None:
-            self._on_pre_backward(counts, sync)
+            self._on_pre_backward(counts, unfirable, ran, sync)
 
         torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
-    def _on_pre_backward(self, counts: list[int], sync: bool) -> None:
+    def _on_pre_backward(self, counts: list[int], unfirable: set[int], ran: set[int],
+                         sync: bool) -> None:
         self._enter_backward(sync)
         self.unit_expected = [a + b for a, b in zip(self.unit_expected, counts)]
+        self.unfirable |= unfirable
+        self.ran |= ran
+        self.expecting = True  # units expected nowhere in this backward did not run
+        if self.taking and self.syncing and self.launches_in_backward:
+            # buckets of units that did not run launch now, at the start of the backward: a
+            # peer where they ran waits for them at their post-backward ([Note: launch order])
+            self._launch_ready()
 
     # ---- backward --------------------------------------------------------------------------
 
@@ -300,6 +368,12 @@ class ReductionWindow:
 
     def _open(self) -> bool:
         me = f"[rank {self.comm.rank}/{self.comm.size}]"
+        self.settle()  # the start of a backward into the subset: every rank reaches it
+        self.held_at_open = self._holds_anything()
+        unfrozen = [e.name for e in self.frozen if e.param.requires_grad]
+        if unfrozen:
+            self.raised = True
+            raise UsageError(_unfrozen_text(me, unfrozen))
         if self.state is WindowState.REDUCED:
             self.raised = True  # the next forward or reduction point drops the window
             raise UsageError(f"{me} a backward reached selzero's parameters after "
@@ -353,13 +427,10 @@ class ReductionWindow:
         flat = grad if grad.is_contiguous() and not grad.requires_grad else \
             grad.detach().contiguous()
         if not self.syncing:
-            if t in self.local:
-                self.local[t].add_(flat.view(-1))
-            else:
-                self.local[t] = flat.to(_FP32, copy=True).view(-1)
+            _accumulate_into(self.local, t, flat)
             return
         if self.collectives.launched(self.layout.entry_bucket[t]):
-            self.late.add(t)  # reported, agreed, at the reduction point
+            _accumulate_into(self.late_grads, t, flat)  # reduced at the reduction point
             return
         self.collectives.fill(t, flat)
         local = self.local.pop(t, None)
@@ -390,18 +461,34 @@ class ReductionWindow:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
+        """Launch, in the agreed order, every bucket whose units the backward has passed, or
+        did not run in this backward's forward ([Note: launch order]); buckets deferred to the
+        end of backward wait for it."""
         c = self.collectives
-        while not c.all_launched() and \
-                all(self.unit_passed[u] for u in self.bucket_units[c.next_bucket()]):
-            self._launch_one(None)
+        while not c.all_launched():
+            b = c.next_bucket()
+            units = self.bucket_units[b]
+            if b in self.deferred:
+                return
+            if all(self.unit_passed[u] for u in units):
+                self._launch_one(None)
+            elif all(self.unit_passed[u] or self._did_not_run(u) for u in units):
+                self._launch_one(None, early=True)
+            else:
+                return
 
-    def _launch_one(self, zero_if: torch.Tensor | None) -> None:
+    def _did_not_run(self, u: int) -> bool:
+        """Unit u ran in none of the forwards this backward goes through, so it never passes:
+        a layer skipped on this rank."""
+        return self.expecting and u not in self.ran
+
+    def _launch_one(self, zero_if: torch.Tensor | None, *, early: bool = False) -> None:
         b = self.collectives.next_bucket()
         for t in self.layout.buckets[b].entries:
             local = self.local.pop(t, None)
             if local is not None:
                 self.collectives.fill(t, local)
-        self.collectives.launch_next(zero_if)
+        self.collectives.launch_next(zero_if, early=early)
 
     def _backward_done(self) -> None:
         """End of the graph task the first hook of this backward ran in."""
@@ -420,6 +507,7 @@ class ReductionWindow:
                 self._log_first_backward(first)
         self.unit_expected = [0] * len(self.units.names)
         self.unit_fired = [0] * len(self.units.names)
+        self.expecting = False
 
     def _log_first_backward(self, first: int) -> None:
         if self.logged_first_backward:
@@ -450,26 +538,78 @@ class ReductionWindow:
 
     # ---- a backward that raised; resets ----------------------------------------------------
 
-    def _drop_if_interrupted(self) -> bool:
-        """Outside backward: drop the window if the backward that opened a micro-step raised
-        (its callback never ran), or selzero raised a usage error inside a backward."""
+    def _note_interrupted(self) -> None:
+        """Outside backward, local only: mark the window dead if the backward that opened a
+        micro-step raised (its callback never ran) or selzero raised a usage error inside a
+        backward ([Note: a backward that raised]). No collective: see settle()."""
         self.callback_queued = False  # no callback can be pending outside a backward
         self.backward_sync = None
         self.tentative = False
-        if self.state is not WindowState.OPEN and not self.local_open and not self.raised:
+        self.taking = False
+        self.expecting = False
+        if self.dead or (self.state is not WindowState.OPEN and not self.local_open
+                         and not self.raised):
+            return
+        self.dead = True
+        self.dead_schedule = self.state is WindowState.OPEN and self.launches_in_backward
+        self.local_open = False
+
+    def backward_failed(self, reached: bool) -> None:
+        """A backward raised on this rank and left ``torch.autograd.backward``
+        (selzero_plugin/backward.py). Mark the window dead and launch the rest of the micro-step's
+        buckets at once, without waiting: a peer still in its backward may be waiting for them
+        (on gloo its host blocks there), and the next point every rank reaches may be a host's
+        collective. ``reached``: the failed graph holds a selected parameter, so a backward that
+        raised before its first event reached selzero (in the loss's own backward) is a failed
+        micro-step all the same."""
+        if _in_backward():
+            return  # an inner backward (a reentrant checkpoint's): its outer one raises too
+        if not self.callback_queued and not self.local_open and not self.raised:
+            if not reached or self.state is not WindowState.IDLE or self.dead:
+                return
+            self.held_at_open = self._holds_anything()  # the micro-step it would have opened
+            if self.sync:
+                self.state = WindowState.OPEN
+            else:
+                self.local_open = True
+        self._note_interrupted()
+        if self.dead_schedule:  # count it as before; only the launches move here
+            self.collectives.launch_rest_now()
+            self.dead_launched = True
+
+    def settle(self) -> bool:
+        """At a point every rank of the group reaches: drop a dead window, first completing its
+        micro-step's bucket collectives (the rest of them, in order, zero-filled), and count
+        the drop when another rank could tell ([Note: a backward that raised]). Returns
+        whether that micro-step issued its reductions (a reduction point then has none left
+        to flush: they were this micro-step's)."""
+        if not self.dead:
             return False
-        if self._holds_anything():
+        if self.held_at_open or self.dead_schedule:
             self.dropped += 1
-        if self.state is WindowState.OPEN and self.launches_in_backward:
-            self.collectives.launch_rest()  # the other ranks launch the rest of this micro-step
+        issued = self.dead_schedule
+        if issued and not self.dead_launched:
+            self.collectives.launch_rest()
         self.collectives.finish_all()
-        self._reset()
-        return True
+        self._forget_window()
+        return issued
+
+    def reduced(self) -> bool:
+        """Outside backward: is the window reduced (and not dropped since by a backward that
+        raised)?"""
+        self._note_interrupted()
+        return self.state is WindowState.REDUCED and not self.dead
+
+    def settle_outside_backward(self) -> None:
+        """settle() from a public call every rank makes (a save, a load, a broadcast, step())."""
+        if _in_backward():
+            return
+        self._note_interrupted()
+        self.settle()
 
     def _holds_anything(self) -> bool:
-        """Whether dropping the window changes anything another rank could notice: launched
-        collectives, reduced values, local gradients (a window whose only micro-step died
-        before launching anything is the same as one that never started)."""
+        """Whether the window holds something another rank could notice: launched
+        collectives, reduced values, local gradients."""
         return self.collectives.next_launch > 0 or not self.storage.stale or bool(self.local)
 
     def zero_grad(self) -> None:
@@ -480,9 +620,7 @@ class ReductionWindow:
         if _in_backward():
             raise UsageError(f"[rank {self.comm.rank}/{self.comm.size}] sz.zero_grad() was called "
                              "inside backward; call it between steps.")
-        self.callback_queued = False
-        self.backward_sync = None
-        self.tentative = False
+        self._note_interrupted()
         launched = torch.tensor([self.collectives.next_launch], dtype=_I64,
                                 device=self.comm.device)
         self.control_comm().all_reduce(launched, op=torch.distributed.ReduceOp.MAX)
@@ -494,7 +632,21 @@ class ReductionWindow:
         self._reset()
 
     def _reset(self) -> None:
-        """Forget the window: after step(), a raised agreement, zero_grad() or a died backward."""
+        """Forget the window and any backward in progress: after step(), a raised agreement,
+        zero_grad()."""
+        self._forget_window()
+        self.scaled = False
+        self.unscaled = False
+        self.callback_queued = False
+        self.backward_sync: bool | None = None
+        self.backward_task = -2
+        self.tentative = False
+        self.taking = False
+        self.expecting = False
+
+    def _forget_window(self) -> None:
+        """Forget the window's gradients, presence and reduced values (not the flags of a
+        backward that may be running: settle() runs at the start of one)."""
         assert not self.collectives.pending, "launched reductions are finished before a reset"
         self.collectives.discard()
         self.storage.stale = True
@@ -505,22 +657,21 @@ class ReductionWindow:
         self.window_presence.zero_()
         self.window_active.zero_()
         self.local.clear()
+        self.late_grads.clear()
         self.state = WindowState.IDLE
         self.local_open = False
         self.raised = False
-        self.callback_queued = False
-        self.backward_sync: bool | None = None
-        self.backward_task = -2
-        self.tentative = False
-        self.taking = False
+        self.dead = False
+        self.dead_schedule = False
+        self.dead_launched = False
         self._reset_microstep()
         self.decision = None
 
     def _reset_microstep(self) -> None:
         self.opened = False
         self.second_backward = False
-        self.late: set[int] = set()
-        self.unfirable: set[int] = set()
+        self.unfirable: set[int] = set()  # units of this micro-step's forwards that cannot fire
+        self.ran: set[int] = set()  # units that ran in them
         self.pass_order: list[int] = []
         self.unit_expected = [0] * len(self.units.names)
         self.unit_fired = [0] * len(self.units.names)
@@ -531,16 +682,24 @@ class ReductionWindow:
     def end_microstep(self, active: Any) -> None:
         values, _ = self._close(_PHASE_END_MICROSTEP, None, active)
         self._raise_agreed(self._disagreement(values))
+        self._after_agreement(values)
 
-    def reduce(self, weight: Any, active: Any) -> Decision:
-        values, local_weight = self._close(_PHASE_REDUCE, weight, active)
+    def reduce(self, weight: Any, active: Any, *, host_nonfinite: torch.Tensor | None = None,
+               from_step: bool = False) -> Decision:
+        """Close the window. ``host_nonfinite`` (a GradScaler's unscale, selzero_plugin/amp.py):
+        the host's inf/NaN flag joins the subset's in the agreement. A window a GradScaler
+        scaled is skipped when non-finite, never raised (the scaler handles overflows); reduced
+        by ``step()`` without the scaler's unscale, it is an error on every rank."""
+        values, local_weight = self._close(_PHASE_REDUCE, weight, active, host_nonfinite,
+                                           from_step)
+        skip_nonfinite = self.scaled
         error = self._disagreement(values)
         c = self.control
         mode = self.config.reduction
         if mode == "weighted" and self.normalize_weight is not None:
             # a collective beyond the group: reached even when the group fails, so that the
             # other groups of the normalize_over ranks learn it instead of waiting
-            fails = error is not None or self._decide_would_raise(values)
+            fails = error is not None or self._decide_would_raise(values, skip_nonfinite)
             global_weight, others_failed = self.normalize_weight(local_weight, fails)
             if error is None and others_failed and global_weight > 0:
                 error = UsageError(
@@ -554,32 +713,39 @@ class ReductionWindow:
         else:
             global_weight = values[c.active.start]
         self._raise_agreed(error)
+        self._after_agreement(values)
         expected = values[c.active.start] if mode == "sum" else self.comm.size
         decision = self._decide(global_weight, values[c.presence], values[c.nonfinite.start],
-                                expected)
+                                expected, skip_nonfinite=skip_nonfinite)
         if global_weight > 1 and mode != "sum":  # (a weight of 1 divides by nothing)
             self.storage.grad_shard.div_(global_weight)
         self.decision = decision
         self.state = WindowState.REDUCED
         return decision
 
-    def _close(self, phase: int, weight: Any, active: Any) -> tuple[list[int], torch.Tensor]:
+    def _close(self, phase: int, weight: Any, active: Any,
+               host_nonfinite: torch.Tensor | None = None, from_step: bool = False
+               ) -> tuple[list[int], torch.Tensor]:
         """Flush the micro-step and all-reduce the control vector (errors: _disagreement)."""
         me = f"[rank {self.comm.rank}/{self.comm.size}]"
-        if self.state is WindowState.REDUCED:
-            raise UsageError(f"{me} gradients were already reduced for this step; call sz.step() "
-                             "(or drop the extra reduce_gradients()).")
         if _in_backward():
             raise UsageError(f"{me} a reduction point was called from inside backward; call it "
                              "after loss.backward() returns.")
-        self._drop_if_interrupted()
+        self._note_interrupted()
+        flushed = self.settle()
+        if self.state is WindowState.REDUCED:
+            raise UsageError(f"{me} gradients were already reduced for this step; call sz.step() "
+                             "(or drop the extra reduce_gradients()).")
         arg_kind, error, active_t, weight_t, bad_t = self._validate_args(phase, weight, active)
+        if error == _ERR_NONE and from_step and self.scaled and host_nonfinite is None:
+            error = _ERR_SCALED  # step() of scaled gradients no scaler unscaled
         inactive = None if self.config.reduction != "sum" else active_t == 0
-        while not self.collectives.all_launched():
-            self._launch_one(inactive)
-        self.collectives.finish_all()
-        assert not self.local, "every local gradient joins a bucket at its launch"
-        self.collectives.end_microstep()
+        if not flushed:
+            while not self.collectives.all_launched():
+                self._launch_one(inactive)
+            self.collectives.finish_all()
+            assert not self.local, "every local gradient joins a bucket at its launch"
+            self.collectives.end_microstep()
         if self.present:
             index = torch.tensor(sorted(self.present), dtype=_I64)
             self.micro_presence[index.to(self.comm.device)] = 1
@@ -587,15 +753,14 @@ class ReductionWindow:
         self.window_presence |= self.micro_presence * active_t
         self.window_active |= active_t
         self.micro_presence.zero_()
-        values = self._agree(phase, arg_kind, error, bad_t, weight_t)
-        self._adopt_launch_order(values)
+        values = self._agree(phase, arg_kind, error, bad_t, weight_t, host_nonfinite)
         self.dropped = 0
         self._reset_microstep()
         self.state = WindowState.IDLE
         return values, weight_t
 
     def _agree(self, phase: int, arg_kind: int, error: int, bad: torch.Tensor,
-               weight: torch.Tensor) -> list[int]:
+               weight: torch.Tensor, host_nonfinite: torch.Tensor | None = None) -> list[int]:
         c, r = self.control, self.comm.rank
         vector = torch.zeros(c.size, dtype=_I64, device=self.comm.device)
         code = torch.tensor(phase + 4 * arg_kind + 16 * error, dtype=_I64, device=self.comm.device)
@@ -608,18 +773,29 @@ class ReductionWindow:
         vector[c.active] = self.window_active
         vector[c.weight] = weight
         if phase == _PHASE_REDUCE:
-            vector[c.nonfinite] = self.storage.nonfinite().to(_I64)
+            nonfinite = self.storage.nonfinite()
+            for grad in self.late_grads.values():  # reduced after the agreement: see _reduce_late
+                nonfinite = nonfinite | holds_nonfinite(grad)
+            if host_nonfinite is not None:
+                nonfinite = nonfinite | (host_nonfinite.reshape(()) != 0)
+            vector[c.nonfinite] = nonfinite.to(_I64)
             vector[c.presence] = self.window_presence
             vector[c.binding] = torch.tensor(self.bindings.problems(), dtype=_I64,
                                              device=self.comm.device)
+            if self.frozen:
+                vector[c.unfrozen] = torch.tensor(
+                    [int(e.param.requires_grad or e.param.grad is not None) for e in self.frozen],
+                    dtype=_I64, device=self.comm.device)
         host = [0] * (c.late.stop - c.late.start + 2 * len(self.units.names))
-        for t in self.late:
+        for t in self.late_grads:
             host[t] = 1
         units = len(self.units.names)
         base = c.late.stop - c.late.start
         for u in range(units):
             host[base + u] = int(self.unit_passed[u])
-        if r == 0 and not self.order_adopted:
+        if r == 0:  # [Note: launch order]: rank 0's view of this micro-step's units
+            for u in self.unfirable:
+                host[base + units + u] = _UNIT_CANNOT_FIRE
             for position, u in enumerate(self.pass_order):
                 host[base + units + u] = position + 1
         vector[c.late.start:c.order.stop] = torch.tensor(host, dtype=_I64, device=self.comm.device)
@@ -634,26 +810,62 @@ class ReductionWindow:
         vector.untyped_storage().resize_(0)
         return values
 
-    def _adopt_launch_order(self, values: list[int]) -> None:
-        """Once, when group rank 0 has seen every firable unit pass: launch buckets in the order
-        their units passed there (DDP rebuilds its buckets the same way after one iteration), so
-        a model that runs its blocks in another order than it registers them stays bounded."""
-        if self.order_adopted or not self.launches_in_backward:
+    def _after_agreement(self, values: list[int]) -> None:
+        """What every rank does once a reduction point agreed without an error."""
+        self._reduce_late(values)
+        self._follow_launch_order(values)
+
+    def _reduce_late(self, values: list[int]) -> None:
+        """[Note: late gradients]: one more reduction of each bucket that got gradients after
+        its launch on any rank, in bucket order; those buckets launch at the end of backward
+        from now on."""
+        late = [t for t, n in enumerate(values[self.control.late]) if n]
+        if not late:
             return
-        position = values[self.control.order]
-        if not any(position):
+        buckets = sorted({self.layout.entry_bucket[t] for t in late})
+        for b in buckets:
+            self.collectives.reduce_late(b, {t: self.late_grads.pop(t)
+                                             for t in self.layout.buckets[b].entries
+                                             if t in self.late_grads})
+        assert not self.late_grads, "every late gradient is in an agreed bucket"
+        new = [b for b in buckets if b not in self.deferred]
+        self.deferred.update(buckets)
+        if new and self.comm.rank == 0:
+            names = [self.trainable[t].name for t in late]
+            logger.warning(
+                "selzero %r: %d selected parameter(s) got gradients after their bucket was "
+                "launched (used outside their launch unit, in a reentrant activation "
+                "checkpoint, or in a module applied twice), e.g. %s; they were reduced with one "
+                "more collective per bucket, and bucket(s) %s launch at the end of backward from "
+                "now on (their full FP32 gradients are held until then).",
+                self.config.name, len(names), names[:3], new)
+
+    def _follow_launch_order(self, values: list[int]) -> None:
+        """[Note: launch order]: the next micro-step launches buckets in the order group rank
+        0's backward made them ready, keeping the places of buckets whose units did not run;
+        buckets that cannot fire or got late gradients last. DDP rebuilds its buckets from
+        rank 0's order the same way, once; this follows every reduction point."""
+        if not self.launches_in_backward:
             return
-        self.order_adopted = True
-        late = len(self.units.names) + 1  # units that never passed: at the end, in their order
-        ready = [max((position[u] or late) for u in self.bucket_units[b])
-                 for b in range(len(self.layout.buckets))]
-        order = sorted(range(len(self.layout.buckets)), key=lambda b: (ready[b], b))
-        if order != self.collectives.order:
-            self.collectives.set_order(order)
-            if self.comm.rank == 0:
-                logger.warning("selzero %r: the launch units pass in another order than the "
-                               "buckets were planned in; buckets now launch in that order.",
-                               self.config.name)
+        state = values[self.control.order]
+        current = self.collectives.order
+        units = self.bucket_units
+        last = self.deferred | {b for b in current
+                                if any(state[u] == _UNIT_CANNOT_FIRE for u in units[b])}
+        ready = {b: max(state[u] for u in units[b]) for b in current
+                 if b not in last and all(state[u] > 0 for u in units[b])}
+        in_order = iter(sorted(ready, key=lambda b: (ready[b], b)))
+        order = [next(in_order) if b in ready else b for b in current if b not in last] + \
+            [b for b in current if b in last]
+        if order == current:
+            return
+        self.collectives.set_order(order)
+        if self.comm.rank == 0:
+            log = logger.debug if self.order_logged else logger.warning
+            self.order_logged = True
+            log("selzero %r: buckets now launch in the order the backward reached them "
+                "(launch units passed in another order than the buckets were planned in, or "
+                "cannot fire): %s.", self.config.name, order[:16])
 
     def _disagreement(self, values: list[int]) -> Exception | None:
         """The error every rank raises for this reduction point, decided from the agreed
@@ -668,6 +880,14 @@ class ReductionWindow:
                 f"{me} the ranks of selzero's group did not make the same reduction call "
                 f"({described}). Every rank must call end_microstep()/reduce_gradients()/step() "
                 f"together, with the arguments reduction={mode!r} takes.")
+        if codes[0] // 16 == _ERR_SCALED:
+            return UsageError(
+                f"{me} the gradients were scaled by a torch.amp.GradScaler (scaler.scale(loss)) "
+                "and reduced without the scaler's unscale: selzero would update the subset with "
+                "gradients `scale` times too large and never report their inf/NaN to the "
+                "scaler. Call scaler.step(optimizer) (or scaler.unscale_(optimizer)) for the host "
+                "optimizer before sz.step(); selzero unscales its shards there and skips when "
+                "the scaler skips. The window was dropped on every rank.")
         if codes[0] >= 16:
             return UsageError(
                 f"{me} {_describe_code(codes[0], mode)}. The window was dropped on every rank.")
@@ -687,18 +907,10 @@ class ReductionWindow:
                 "sz.end_microstep() between backward passes, or run the earlier micro-steps "
                 "inside `with sz.no_sync():` (or your DDP model's no_sync()). The window was "
                 "dropped on every rank.")
-        late = [self.trainable[t].name for t, flag in enumerate(values[c.late]) if flag]
-        if late:
-            units = sorted({self.units.names[self.units.of_entry[t]]
-                            for t, flag in enumerate(values[c.late]) if flag})
-            return UsageError(
-                f"{me} {len(late)} selected parameter(s) got a gradient after their bucket was "
-                f"launched at the post-backward of its launch unit(s) {units[:3]}: "
-                f"{late[:5]}. A parameter used outside its unit (or a unit called again inside "
-                "a checkpoint) needs a unit that contains every use: set launch_modules to such "
-                "a module, or overlap=False; a model run twice before one backward (two "
-                "forwards whose losses are summed) needs overlap=False. The window was dropped "
-                "on every rank.")
+        unfrozen = [e.name for e, n in zip(self.frozen, values[c.unfrozen]) if n]
+        if unfrozen:
+            return UsageError(_unfrozen_text(me, unfrozen) + " The window was dropped on every "
+                              "rank.")
         binding = values[c.binding]
         for kind, fix in _BINDING_TEXT.items():
             names = [self.trainable[t].name for t in range(len(self.trainable))
@@ -771,16 +983,17 @@ class ReductionWindow:
 
     # ---- the decision ----------------------------------------------------------------------
 
-    def _decide_would_raise(self, values: list[int]) -> bool:
+    def _decide_would_raise(self, values: list[int], skip_nonfinite: bool = False) -> bool:
         """Whether _decide raises for these values, given a positive global weight."""
         c = self.control
         expected = values[c.active.start] if self.config.reduction == "sum" else self.comm.size
         missing = any(0 < p < expected for p in values[c.presence])
         return (self.config.missing_grad == "error" and missing) or \
-            (self.config.nonfinite == "error" and values[c.nonfinite.start] > 0)
+            (self.config.nonfinite == "error" and not skip_nonfinite and
+             values[c.nonfinite.start] > 0)
 
     def _decide(self, global_weight: int, presence: list[int], nonfinite: int,
-                expected: int) -> Decision:
+                expected: int, *, skip_nonfinite: bool = False) -> Decision:
         """Which virtual parameters update; raises the same error on every rank where asked."""
         v = len(presence)
         present = [p > 0 for p in presence]
@@ -796,13 +1009,13 @@ class ReductionWindow:
             update = [False] * v
         skipped_nonfinite = 0
         if nonfinite > 0 and global_weight > 0:
-            if self.config.nonfinite == "error":
+            if self.config.nonfinite == "error" and not skip_nonfinite:
                 self._raise_nonfinite()
             skipped_nonfinite = sum(update)
             update = [False] * v
         updated = sum(update)
         return Decision(update, global_weight, updated, v - updated - skipped_nonfinite,
-                        skipped_nonfinite)
+                        skipped_nonfinite, nonfinite > 0)
 
     def _raise_missing(self, missing: list[bool]) -> None:
         mine = self.window_presence.to(torch.uint8)
@@ -850,6 +1063,26 @@ class ReductionWindow:
     def fail(self, error: Exception) -> None:
         """Forget the window and raise ``error`` (the caller made sure every rank does)."""
         self._fail(error)
+
+
+def _accumulate_into(grads: dict[int, torch.Tensor], t: int, flat: torch.Tensor) -> None:
+    """Add entry t's gradient into its full-size FP32 accumulator (1D), made at the first."""
+    if t in grads:
+        grads[t].add_(flat.view(-1))
+    else:
+        grads[t] = flat.to(_FP32, copy=True).view(-1)
+
+
+def _unfrozen_text(me: str, names: list[str]) -> str:
+    return (f"{me} {len(names)} selected parameter(s) were frozen (requires_grad=False) when "
+            f"SelectedZero2 was built and now train: {names[:5]}. selzero gave them no gradient "
+            "slot and no optimizer state, so their gradients would reach no one (a host "
+            "optimizer over model.parameters() would step each rank's own, un-averaged "
+            "gradient). To unfreeze selected parameters during training, build SelectedZero2 "
+            "while they require grad, then freeze them with p.requires_grad_(False): a frozen "
+            "selected parameter gets no gradient, so no update and no weight decay, and "
+            "p.requires_grad_(True) later joins it to selzero's training. Or leave them out of "
+            "`params`.")
 
 
 def _as_int_weight(weight: Any) -> int | None:

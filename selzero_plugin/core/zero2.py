@@ -47,7 +47,8 @@ from .view import Chunk, ShardView
 from .window import ReductionWindow, WindowState
 
 __all__ = ["SelectedZero2", "WindowState", "CheckpointIO", "register_checkpoint_io",
-           "owning_instance", "plan_virtual_owners", "probe_groups", "virtual_costs"]
+           "owning_instance", "live_instances", "plan_virtual_owners", "probe_groups",
+           "virtual_costs"]
 
 
 class CheckpointIO(Protocol):
@@ -57,6 +58,12 @@ class CheckpointIO(Protocol):
 
 
 _checkpoint_io: CheckpointIO | None = None
+_LIVE: "weakref.WeakSet[SelectedZero2]" = weakref.WeakSet()
+
+
+def live_instances() -> list["SelectedZero2"]:
+    """The instances of this process whose hooks are installed (built, not removed)."""
+    return [sz for sz in list(_LIVE) if sz.window.installed]
 
 
 def register_checkpoint_io(io: CheckpointIO) -> None:
@@ -116,6 +123,7 @@ class SelectedZero2:
         for e in self.entries:
             e.param._selzero_owner = weakref.ref(self)
         self.window.bindings.record()
+        _LIVE.add(self)
         if distributed:
             _warn_group_mean(config, self.normalize_ranks, ranks, self.comm.rank)
 
@@ -247,7 +255,8 @@ class SelectedZero2:
         over_group = self.normalize_ranks == comm.global_ranks
         self.window = ReductionWindow(
             config=config, comm=comm, layout=self.layout, storage=self.storage,
-            collectives=self.collectives, trainable=self.trainable, units=self.units,
+            collectives=self.collectives, trainable=self.trainable,
+            frozen=[e for e in self.entries if e.frozen], units=self.units,
             model=self.model, normalize_size=len(self.normalize_ranks),
             normalize_weight=None if over_group else self._sum_over_normalize_ranks,
             control_comm=self._control_communicator,
@@ -412,11 +421,18 @@ class SelectedZero2:
     def step(self, lr: float | None = None, weight: Any = None,
              active: bool | None = None) -> StepResult:
         """Reduce (unless done), update this rank's segments, all-gather the subset."""
-        if self.window.state is not WindowState.REDUCED:
-            self.window.reduce(weight, active)
+        window = self.window
+        if not window.reduced():  # (a window whose backward raised since is dropped there)
+            window.reduce(weight, active, from_step=True)
         elif weight is not None or active is not None:
             raise UsageError(f"[rank {self.rank}/{self.world_size}] step(weight=/active=) after "
                              "reduce_gradients(): the arguments belong to reduce_gradients().")
+        elif window.scaled and not window.unscaled:
+            window.fail(UsageError(
+                f"[rank {self.rank}/{self.world_size}] step() after reduce_gradients() of "
+                "gradients a torch.amp.GradScaler scaled, without the scaler's unscale: call "
+                "scaler.step(optimizer) (or scaler.unscale_(optimizer)) for the host optimizer "
+                "before sz.step(). Nothing was updated."))
         decision = self.window.decision
         update = decision.update
         for slot, seg, grad in zip(self.storage.slots, self.storage.segments,
@@ -431,6 +447,30 @@ class SelectedZero2:
                             decision.skipped_nonfinite)
         self.window.finish_step()
         return result
+
+    def unscale_(self, inv_scale: torch.Tensor,
+                 host_found_inf: torch.Tensor | None = None) -> torch.Tensor:
+        """Loss scaling (called by a GradScaler's ``unscale_``, [Note: loss scaling] in
+        selzero_plugin/amp.py; every rank of the group calls it): reduce the window if not done
+        yet, multiply the reduced shards by ``inv_scale`` (0-dim), and agree across the group
+        whether the subset or ``host_found_inf`` (the host optimizer's flag, which the ranks of
+        a sharded host may see differently) holds inf/NaN; if so step() updates nothing.
+        Returns that agreed flag, 0-dim float32 on the device (as GradScaler's found_inf)."""
+        window, device = self.window, self.comm.device
+        host = torch.zeros((), dtype=torch.float32, device=device) if host_found_inf is None \
+            else host_found_inf.detach().reshape(()).to(device=device, dtype=torch.float32)
+        if not window.reduced():
+            window.reduce(None, None, host_nonfinite=host)
+        else:  # reduced explicitly before (reduce_gradients(weight=...)): agree on the host's
+            flag = host.reshape(1).clone()
+            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if float(flag) > 0 and not window.decision.nonfinite:
+                window.decision.nonfinite = True
+                window.skip_update()
+        window.unscaled = True
+        self.storage.grad_shard.mul_(inv_scale.to(device))
+        return torch.full((), float(window.decision.nonfinite), dtype=torch.float32,
+                          device=device)
 
     def zero_grad(self) -> None:
         """Drop the current window on every rank (every rank of the group calls it: it is a
@@ -459,6 +499,7 @@ class SelectedZero2:
                 raise
             error = e
         if broadcast:  # a collective: a rank that cannot follow must not leave the others
+            self.window.settle_outside_backward()
             agree_on_local_errors(self.comm, error, what="sync_from_params(broadcast=True)")
         self.storage.rebind()
         if values is None:
@@ -500,8 +541,10 @@ class SelectedZero2:
     # ---- checkpoints (selzero_plugin.checkpoint, through ShardView) --------------------------
 
     def checkpoint_view(self) -> ShardView:
-        """The engine as the checkpoint code sees it (see core/view.py)."""
+        """The engine as the checkpoint code sees it (see core/view.py). Every rank of the group
+        calls it (a save or a load): a window whose backward raised is dropped first."""
         window = self.window
+        window.settle_outside_backward()
         return ShardView(
             comm=self.comm, config=self.config, entries=self.entries, trainable=self.trainable,
             virtuals=self.layout.virtuals, group_of_entry=dict(self.segment_optimizer.group_of_entry),
@@ -573,6 +616,7 @@ class SelectedZero2:
     def remove_hooks(self) -> None:
         """Detach selzero from the model (its parameters' gradients flow normally again)."""
         self.window.remove()
+        _LIVE.discard(self)
         for e in self.entries:
             owner = getattr(e.param, "_selzero_owner", None)
             if owner is not None and owner() is self:

@@ -1,0 +1,112 @@
+"""torch.amp's GradScaler, applied to selzero's gradients too.
+
+[Note: loss scaling]
+``scaler.scale(loss).backward()`` scales every gradient, the subset's included; the scaler then
+unscales and checks the gradients of the optimizer it is given (``scaler.unscale_(opt)``,
+``scaler.step(opt)``), which never sees selzero's: they live in its shards. Left alone, the
+experts would be updated with gradients ``scale`` times too large and their inf/NaN would never
+reach ``found_inf`` (the review's finding). So importing selzero wraps four methods of
+``torch.amp.GradScaler`` (and of the subclasses that override them: ``torch.cuda.amp``'s,
+FSDP1's ``ShardedGradScaler``), each calling the original first and acting only when a live
+SelectedZero2 is concerned:
+
+- ``scale(outputs)`` marks every live instance as scaled in this window;
+- ``unscale_(opt)``: for each scaled instance whose model ``opt`` trains (a host optimizer
+  mirrored by selzero, or one over the model's other parameters), ``sz.unscale_`` reduces its
+  window (every rank calls ``unscale_`` at the same point), multiplies the shards by the
+  scaler's ``1/scale``, and agrees across the group whether the subset or the host's gradients
+  hold inf/NaN; that flag is added to the optimizer's ``found_inf``, so the scaler skips the
+  host's step and backs the scale off when the experts overflowed, and selzero's next
+  ``step()`` skips when the scaler does (never raising under ``nonfinite="error"``: an overflow
+  is the scaler's to handle);
+- ``step(opt)`` unscales first when an instance is concerned (what the torch docs do for
+  clipping; fused optimizers then get already-unscaled gradients, as after an explicit
+  ``unscale_``);
+- a scaled instance reduced without the scaler's unscale (``sz.step()`` before
+  ``scaler.step(opt)``) raises on every rank instead of updating with scaled gradients.
+
+The natural loop then trains like plain torch: ``scaler.scale(loss).backward();
+scaler.unscale_(opt); clip...; scaler.step(opt); scaler.update(); sz.step()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from .core.zero2 import SelectedZero2, live_instances
+
+__all__ = ["install"]
+
+_MARK = "_selzero_wrapped"
+
+
+def install() -> None:
+    """Wrap the GradScaler classes' methods (idempotent; called when selzero is imported)."""
+    classes: list[type] = [torch.amp.GradScaler]
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        classes.append(ShardedGradScaler)
+    except ImportError:  # a torch without it
+        pass
+    for cls in classes:
+        for name, wrapper in (("scale", _scale), ("unscale_", _unscale), ("step", _step)):
+            original = cls.__dict__.get(name)
+            if original is not None and not getattr(original, _MARK, False):
+                setattr(cls, name, _wrapped(original, wrapper))
+
+
+def _wrapped(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, scaler, *args, **kwargs)
+
+    setattr(method, _MARK, True)
+    return method
+
+
+def _scale(original: Callable[..., Any], scaler: Any, outputs: Any) -> Any:
+    scaled = original(scaler, outputs)
+    if scaler.is_enabled():
+        for sz in live_instances():
+            sz.window.scaled = True
+    return scaled
+
+
+def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
+    """The scaled instances, not yet unscaled this window, whose model ``optimizer`` trains."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [sz for sz in live_instances() if sz.window.scaled and not sz.window.unscaled and (
+        sz.host_optimizer is optimizer or any(id(p) in held for p in sz.model.parameters()))]
+
+
+def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer
+             ) -> Any:
+    out = original(scaler, optimizer)
+    instances = _concerned(optimizer) if scaler.is_enabled() else []
+    if not instances:
+        return out
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    inv_scale = scaler._scale.double().reciprocal().float()
+    for sz in instances:
+        device = sz.comm.device
+        host = sum((t.to(device) for t in found.values()),
+                   torch.zeros((), dtype=torch.float32, device=device))
+        flag = sz.unscale_(inv_scale.to(device), host)
+        if device in found:
+            found[device].add_(flag)
+        else:
+            found[device] = flag
+    return out
+
+
+def _step(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer,
+          *args: Any, **kwargs: Any) -> Any:
+    if scaler.is_enabled() and _concerned(optimizer):
+        from torch.amp.grad_scaler import OptState
+
+        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            scaler.unscale_(optimizer)
+    return original(scaler, optimizer, *args, **kwargs)
