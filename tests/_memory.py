@@ -103,12 +103,15 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
     grads: list[StorageWeakRef] = []
     for e in sz.trainable:
         e.param.register_hook(lambda g: grads.append(StorageWeakRef(g.untyped_storage())))
-    buffers: list[StorageWeakRef] = []
+    # the storages themselves: their memory must be gone after the reduction point (a storage
+    # object may outlive its memory: the communicator keeps finished works, whose storages were
+    # freed in place by resize_(0), [Note: work objects at exit])
+    buffers: list[tuple[torch.UntypedStorage, int]] = []
     reduce_scatter = sz.comm.reduce_scatter_rows
 
     def tracking_reduce_scatter(buffer: torch.Tensor, *args: Any) -> Any:
         storage = buffer.untyped_storage()
-        buffers.append((StorageWeakRef(storage), storage.data_ptr()))
+        buffers.append((storage, storage.data_ptr()))
         return reduce_scatter(buffer, *args)
 
     sz.comm.reduce_scatter_rows = tracking_reduce_scatter
@@ -136,8 +139,8 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
         # on the CPU two pooled blocks are reused for every bucket ([Note: buffer pool]); any
         # other bucket buffer must be gone
         pooled = sz.collectives.pool.kept
-        record["buffers_alive_after_reduction"] = sum(not r.expired() and ptr not in pooled
-                                                      for r, ptr in buffers)
+        record["buffers_alive_after_reduction"] = sum(storage.nbytes() > 0 and ptr not in pooled
+                                                      for storage, ptr in buffers)
         record["from_pool"] = sum(ptr in pooled for _, ptr in buffers)
         record["bucket_buffers_held"] = [i for i, b in enumerate(sz.collectives.buffers)
                                          if b is not None]

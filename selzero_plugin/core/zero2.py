@@ -409,7 +409,8 @@ class SelectedZero2:
         """
         self._require_reduced("scale_gradients_()")
         if not math.isfinite(float(coef)):
-            if self.config.nonfinite == "error":
+            if self.config.nonfinite == "error" and not self.window.scaled:  # (a GradScaler's
+                # window: an overflow is the scaler's to skip)
                 self.window.fail(NonFiniteGradientError(
                     f"[rank {self.rank}/{self.world_size}] scale_gradients_ got coef={float(coef)} "
                     "(the global gradient norm is not finite, so some host gradient holds inf/NaN). "
