@@ -96,7 +96,7 @@ CASES = [(recovery, *mode) for recovery in RECOVERIES for mode in MODES]
 
 
 MIXED = [("zero_grad", "mean", True, "loss", 1e-4), ("zero_grad", "mean", True, "loss", 25.0),
-         ("next_batch", "mean", False, "loss", 1e-4)]
+         ("next_batch", "mean", False, "loss", 1e-4), ("next_batch", "mean", True, "loss", 1e-4)]
 
 
 def _all_cases(rank: int, world: int) -> dict[Any, Any]:
@@ -111,9 +111,10 @@ _outcomes = cached_outcomes(_all_cases, 2, timeout=180)
 @pytest.mark.parametrize("case", MIXED, ids=lambda c: f"{c[0]}-{'overlap' if c[2] else 'no_overlap'}"
                          f"-bucket{c[4]}")
 def test_ranks_that_failed_before_reaching_selzero_recover_too(case):
-    """One rank fails in its loss's backward, before selzero hears of it, the other after
-    launching buckets: ``sz.zero_grad()`` on every rank reconciles them (and without launches
-    during backward, nothing needs reconciling)."""
+    """One rank fails in its loss's backward, before selzero's hooks hear of it, the other after
+    launching buckets: ``sz.zero_grad()`` on every rank reconciles them, and so does the next
+    batch alone (the failed backward is seen as it leaves ``torch.autograd.backward``, its
+    graph holds selected parameters: [Note: seeing a failed backward])."""
     _check(value_of(_outcomes(), case), case[0])
 
 
