@@ -9,7 +9,7 @@ experts, one bucket per block, routing that differs by rank.
   (it put those blocks' buckets last: 3.1 and 5.1 buckets held in the later steps, for k = 2 and
   4), and that step itself stays bounded (its skipped blocks' buckets launch at its start).
 - A slower peer (rank 1 sleeps 2.5 s in the first block of its backward) is waited for: rank 0
-  held the whole subset (6.2 buckets) after giving up a 2 s patience.
+  held 5.15 of 6 buckets after giving up a 2 s patience.
 - Two parallel branches run in an order that depends on the rank: every rank launches in the
   one agreed order (each rank's own order would pair one branch's bucket with the other's).
 """
