@@ -10,9 +10,12 @@ reach ``found_inf`` (the review's finding). So importing selzero wraps four meth
 FSDP1's ``ShardedGradScaler``), each calling the original first and acting only when a live
 SelectedZero2 is concerned:
 
-- ``scale(outputs)`` marks every live instance as scaled in this window;
-- ``unscale_(opt)``: for each scaled instance whose model ``opt`` trains (a host optimizer
-  mirrored by selzero, or one over the model's other parameters), ``sz.unscale_`` reduces its
+- ``scale(outputs)`` marks the node it makes; a backward whose roots come from it (wrapped
+  ``torch.autograd.backward``, failed_backward.py) marks the micro-steps it opens as scaled, so
+  instances that a scaled loss does not reach are left alone;
+- ``unscale_(opt)``: for each scaled instance that ``opt`` concerns (the host optimizer selzero
+  mirrors; without one, an optimizer holding the selected parameters, else one over the model's
+  other parameters), ``sz.unscale_`` reduces its
   window (every rank calls ``unscale_`` at the same point), multiplies the shards by the
   scaler's ``1/scale``, and agrees across the group whether the subset or the host's gradients
   hold inf/NaN; that flag is added to the optimizer's ``found_inf``, so the scaler skips the
@@ -35,7 +38,9 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
+from .core.outer_backward import CURRENT, SCALED_KEY
 from .core.zero2 import SelectedZero2, live_instances
 
 __all__ = ["install"]
@@ -70,16 +75,26 @@ def _wrapped(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Calla
 def _scale(original: Callable[..., Any], scaler: Any, outputs: Any) -> Any:
     scaled = original(scaler, outputs)
     if scaler.is_enabled():
-        for sz in live_instances():
-            sz.window.scaled = True
+        CURRENT.scaler_seen = True
+        for t in tree_leaves(scaled):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata[SCALED_KEY] = True
     return scaled
 
 
 def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
-    """The scaled instances, not yet unscaled this window, whose model ``optimizer`` trains."""
+    """The scaled instances, not yet unscaled this window, that ``optimizer`` concerns: the
+    host optimizer an instance mirrors; for an instance with an optimizer of its own, one that
+    holds selected parameters, else one over its model's other parameters."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [sz for sz in live_instances() if sz.window.scaled and not sz.window.unscaled and (
-        sz.host_optimizer is optimizer or any(id(p) in held for p in sz.model.parameters()))]
+
+    def concerns(sz: SelectedZero2) -> bool:
+        if sz.host_optimizer is not None:
+            return sz.host_optimizer is optimizer
+        return any(id(p) in held for p in sz.model.parameters())
+
+    return [sz for sz in live_instances()
+            if sz.window.scaled and not sz.window.unscaled and concerns(sz)]
 
 
 def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer

@@ -15,26 +15,38 @@ communicator's timeout allows: a slower peer (a rank with hot experts) is no rea
 more memory. Every rank launches a bucket at the same point of its backward (a unit's
 post-backward, or the end-of-backward callback, which runs before the host's own end-of-backward
 wait), and only waits for buckets it launched earlier, so a wait never needs a collective
-another rank issues later. One exception: a bucket launched *early*, because its units did not
-run in this rank's forward ([Note: launch order] in window.py), is launched by a rank where they
-ran at their post-backward; if they ran on some ranks only (an error the reduction point
-reports), a gloo rank blocked on it could wait for a peer blocked on a host's collective or on
-another instance's bucket. So for an early bucket a gloo rank waits at most ``PATIENCE_S``; if
-it is still running, that backward stops bounding its buffers instead of blocking longer.
-The bound can be exceeded only by a unit that holds more than two buckets (its buckets all wait
-for its post-backward) and by buckets launched at the end of backward.
+another rank issues later. The bound can be exceeded only by a unit that holds more than two
+buckets (its buckets all wait for its post-backward) and by buckets launched at the end of
+backward.
+
+[Note: scratch launches]
+Two kinds of reductions carry no gradient of this rank, and run over views of one shared zero
+buffer instead of bucket buffers: buckets launched *early*, at the start of a backward, because
+their launch units did not run in its forward on this rank ([Note: launch order] in window.py;
+on gloo, where a wait blocks the host: on NCCL they launch like any bucket, zero-filled), and the
+rest of a dead micro-step's buckets ([Note: a backward that raised]). The buffer is an idle
+pooled block when there is one, else one more bucket of memory, and the bound does not block on
+them: a rank that skipped a layer its peer ran (an error the reduction point reports) would
+otherwise wait for a bucket the peer launches at that layer's post-backward, while the peer may
+be blocked on the host's collective further down this rank's backward. When the pooled block is
+needed for a real bucket, the rank waits up to ``PATIENCE_S`` for the early launches (every rank
+launches them at the start of its backward when the layer was skipped everywhere), then takes
+a block of its own. Their results: zeros where every rank
+contributed zeros (every rank skipped the layer; written into the shard, so it holds no stale
+values), and values that are never used otherwise (the window is dropped on every rank). Several
+in-place reductions of one buffer at a time race only on those values.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from .comm import Communicator, RowWork
 from .layout import Layout
@@ -44,7 +56,7 @@ from .storage import ShardStorage
 __all__ = ["BucketCollectives", "BufferPool", "PATIENCE_S"]
 
 _FP32 = torch.float32
-PATIENCE_S = 2.0
+PATIENCE_S = 2.0  # how long a gloo rank waits for early launches before taking another block
 logger = logging.getLogger("selzero_plugin")
 
 
@@ -92,14 +104,14 @@ class BufferPool:
             storage.resize_(0)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (pending.remove)
 class _Launched:
     """A launched reduction of one bucket, until finished."""
 
     bucket: int
     work: RowWork
     buffer: torch.Tensor  # 1D, N rows
-    early: bool = False  # launched because its units did not run here (see the Note)
+    scratch: bool = False  # a view of a shared zero buffer ([Note: scratch launches])
     discarded: bool = False  # a dead micro-step's: its result is never used (launch_rest_now)
 
 
@@ -111,20 +123,18 @@ class BucketCollectives:
         self.storage = storage
         self.max_alive = max_alive
         self.buffers: list[torch.Tensor | None] = [None] * len(layout.buckets)  # 1D, N rows
-        largest = max((spec.buffer_numel(comm.size) for spec in layout.buckets), default=0)
-        self.pool = BufferPool(largest * 4, comm.device,
+        self.largest = max((spec.buffer_numel(comm.size) for spec in layout.buckets), default=0)
+        self.pool = BufferPool(self.largest * 4, comm.device,
                                keep=min(max_alive, len(layout.buckets)))  # no idle block
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
         self.pending: deque[_Launched] = deque()  # launched reductions, oldest first
+        self.early_scratch: torch.Tensor | None = None  # zeros, for buckets launched early
         # launch order: bucket order (reverse model order) until the window adopts the order in
         # which the launch units pass; buckets order[:next_launch] were launched this micro-step
         self.order = list(range(len(layout.buckets)))
         self.position = list(range(len(layout.buckets)))
         self.next_launch = 0
-        # a gloo host blocks in wait(): for early buckets it waits with patience (see the Note)
-        self.patience_s = PATIENCE_S if comm.emulate else None
-        self.unbounded = False  # this micro-step gave up bounding its buffers
         n = len(layout.buckets)  # labels of CollectiveError messages, made once
         self.labels = {kind: [f"{kind} bucket {b} of {n}" for b in range(n)]
                        for kind in ("gradient", "parameter")}
@@ -171,15 +181,11 @@ class BucketCollectives:
     def _buffer(self, b: int) -> torch.Tensor:
         buffer = self.buffers[b]
         if buffer is None:
-            while self.pending and self.alive() >= self.max_alive and not self.unbounded:
-                patience = self.patience_s if self.pending[0].early else None
-                if not self._finish_oldest(patience_s=patience):
-                    self.unbounded = True
-                    logger.warning("selzero: the reduce-scatter of bucket %d, launched early "
-                                   "because its launch units did not run on this rank, did not "
-                                   "finish within %.0f s (a peer where they ran launches it "
-                                   "later); this backward no longer bounds its buffers.",
-                                   self.pending[0].bucket, patience)
+            while self.alive() >= self.max_alive and self._finish_oldest(own_buffers=True):
+                pass
+            if not self.pool.free and self.early_scratch is not None and \
+                    self.pool.persistent(self.early_scratch):
+                self._await_early_scratch()  # it holds the pooled block this bucket would take
             # not zeroed: every real position is written by a gradient or zeroed at launch;
             # padding is never read
             buffer = self.pool.take(self.layout.buckets[b].buffer_numel(self.comm.size), _FP32)
@@ -188,13 +194,19 @@ class BucketCollectives:
 
     def alive(self) -> int:
         return sum(b is not None for b in self.buffers) + \
-            sum(not p.discarded for p in self.pending)
+            sum(not p.scratch for p in self.pending)
 
     def launch_next(self, zero_if: torch.Tensor | None = None, *, early: bool = False) -> None:
         """Reduce-scatter the next bucket; zeros where no gradient arrived, and zeros
         throughout when the 0-dim bool ``zero_if`` is true (an inactive rank under ``sum``).
-        ``early``: launched because its units did not run here (see the Note)."""
-        self._launch(self.next_bucket(), zero_if, early)
+        ``early``: launched because its units did not run here ([Note: scratch launches])."""
+        b = self.next_bucket()
+        if early and self.comm.emulate and self.buffers[b] is None and zero_if is None:
+            if self.early_scratch is None:  # an idle pooled block if there is one
+                self.early_scratch = self._zeros()
+            self._launch_scratch(b, self.early_scratch, discarded=False)
+        else:
+            self._launch(b, zero_if)
         self.next_launch += 1
 
     def reduce_late(self, b: int, grads: dict[int, torch.Tensor]) -> None:
@@ -205,10 +217,10 @@ class BucketCollectives:
         assert not self.pending and self.next_launch == 0
         for t, grad in grads.items():
             self.fill(t, grad)
-        self._launch(b, None, False)
+        self._launch(b, None)
         self.finish_all()
 
-    def _launch(self, b: int, zero_if: torch.Tensor | None, early: bool) -> None:
+    def _launch(self, b: int, zero_if: torch.Tensor | None) -> None:
         buffer = self._buffer(b)
         for t in self.layout.buckets[b].entries:
             if t not in self.filled[b]:  # no gradient this micro-step: zeros
@@ -221,9 +233,20 @@ class BucketCollectives:
         self.comm.what = self.labels["gradient"][b]
         try:
             self.pending.append(_Launched(b, self.comm.reduce_scatter_rows(
-                buffer, self.layout.buckets[b].row_numels or None), buffer, early))
+                buffer, self.layout.buckets[b].row_numels or None), buffer))
         finally:
             self.comm.what = ""
+
+    def _launch_scratch(self, b: int, scratch: torch.Tensor, *, discarded: bool) -> None:
+        """[Note: scratch launches] Bucket b's reduction over a view of a shared zero buffer."""
+        spec = self.layout.buckets[b]
+        buffer = scratch[:spec.buffer_numel(self.comm.size)]
+        self.comm.what = self.labels["gradient"][b]
+        try:
+            work = self.comm.reduce_scatter_rows(buffer, spec.row_numels or None)
+        finally:
+            self.comm.what = ""
+        self.pending.append(_Launched(b, work, buffer, scratch=True, discarded=discarded))
 
     def launch_rest(self) -> None:
         while not self.all_launched():
@@ -234,48 +257,71 @@ class BucketCollectives:
         raised on this rank ([Note: a backward that raised] in window.py), and a peer still in
         its backward may be waiting for them. Their values are never used (the window is
         dropped on every rank that ran this micro-step, or the ranks' drop counts differ and
-        every rank raises), so they share one scratch buffer of the largest remaining bucket:
-        no more memory than one bucket, and nothing to wait for before launching."""
+        every rank raises), so they share one scratch buffer ([Note: scratch launches]): no
+        more memory than one bucket, and nothing to wait for before launching."""
         if self.all_launched():
             return
-        n = self.comm.size
-        rest = [self.order[i] for i in range(self.next_launch, len(self.order))]
-        scratch = torch.zeros(max(self.layout.buckets[b].buffer_numel(n) for b in rest),
-                              dtype=_FP32, device=self.comm.device)
-        for b in rest:
-            spec = self.layout.buckets[b]
-            buffer = scratch[:spec.buffer_numel(n)]
-            self.comm.what = self.labels["gradient"][b]
-            try:
-                work = self.comm.reduce_scatter_rows(buffer, spec.row_numels or None)
-            finally:
-                self.comm.what = ""
-            self.pending.append(_Launched(b, work, buffer, discarded=True))
-        self.next_launch = len(self.order)
+        scratch = self._zeros()
+        while not self.all_launched():
+            self._launch_scratch(self.next_bucket(), scratch, discarded=True)
+            self.next_launch += 1
 
-    def _finish_oldest(self, patience_s: float | None = None) -> bool:
-        """Finish the oldest launched reduction; with ``patience_s``, only if it completes
-        within that time (False: still running, left pending)."""
-        launched = self.pending[0]
-        b, work, buffer = launched.bucket, launched.work, launched.buffer
-        if patience_s is not None:
-            deadline = time.monotonic() + patience_s
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.0002)
-        self.pending.popleft()
-        row = work.wait()
-        if launched.discarded:  # a view of the shared scratch, freed with the last of them
-            if not any(p.discarded for p in self.pending):
-                buffer.untyped_storage().resize_(0)
-        else:
+    def restart_microstep(self) -> None:
+        """A further dead micro-step's reductions follow one whose were all launched (a second
+        batch failed before its backward reached selzero): count them from bucket 0."""
+        assert self.all_launched()
+        self.next_launch = 0
+
+    def _await_early_scratch(self) -> None:
+        """Wait at most ``PATIENCE_S`` for the early launches over the pooled scratch block and
+        finish them, giving the block back ([Note: scratch launches]); if a peer has not launched
+        them by then, this bucket takes a block of its own."""
+        early = [p for p in self.pending if p.scratch and not p.discarded]
+        deadline = time.monotonic() + PATIENCE_S
+        while not all(p.work.is_completed() for p in early):
+            if time.monotonic() > deadline:
+                logger.info("selzero: buckets launched early (their launch units did not run "
+                            "on this rank) still wait for a peer after %.0f s; this bucket "
+                            "takes a block of its own.", PATIENCE_S)
+                return
+            time.sleep(0.0002)
+        for launched in early:
+            self._finish(launched)
+
+    def _zeros(self) -> torch.Tensor:
+        """A zero buffer of the largest bucket for scratch launches: an idle pooled block when
+        there is one (no new memory), else a fresh one."""
+        block = self.pool.take(self.largest, _FP32) if self.pool.free else \
+            torch.empty(self.largest, dtype=_FP32, device=self.comm.device)
+        return block.zero_()
+
+    def _finish_oldest(self, own_buffers: bool = False) -> bool:
+        """Finish the oldest launched reduction (``own_buffers``: the oldest that holds a
+        buffer of its own, to free memory; a scratch launch is not waited for then). Returns
+        whether there was one."""
+        launched = next((p for p in self.pending if not (own_buffers and p.scratch)), None)
+        if launched is None:
+            return False
+        self._finish(launched)
+        return True
+
+    def _finish(self, launched: _Launched) -> None:
+        self.pending.remove(launched)
+        b, buffer = launched.bucket, launched.buffer
+        row = launched.work.wait()
+        if not launched.discarded:
             self.storage.accumulate(b, row)
+        storage = buffer.untyped_storage()
+        if not launched.scratch or not any(p.buffer.untyped_storage().data_ptr() ==
+                                           storage.data_ptr() for p in self.pending):
+            # a bucket's own buffer, or the last launch over a scratch buffer
+            if self.early_scratch is not None and \
+                    self.early_scratch.untyped_storage().data_ptr() == storage.data_ptr():
+                self.early_scratch = None
             self.pool.give(buffer)
-        if row.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        if row.untyped_storage().data_ptr() != storage.data_ptr():
             row.untyped_storage().resize_(0)  # NCCL's output row: its work is kept ([Note:
             # work objects at exit] in comm.py), its memory need not be
-        return True
 
     def finish_all(self) -> None:
         while self.pending:
@@ -285,7 +331,6 @@ class BucketCollectives:
         """Every bucket was launched and finished: the next micro-step starts at bucket 0."""
         assert self.all_launched() and not self.pending
         self.next_launch = 0
-        self.unbounded = False
 
     def discard(self) -> None:
         """Forget unlaunched buffers (no collective); launched ones must be finished first."""
@@ -296,7 +341,6 @@ class BucketCollectives:
         self.buffers = [None] * len(self.layout.buckets)
         self.filled = [set() for _ in self.layout.buckets]
         self.next_launch = 0
-        self.unbounded = False
 
     # ---- all-gather of the updated parameters ------------------------------------------------
 
@@ -359,11 +403,11 @@ class BucketCollectives:
                 self._broadcast_flat(chunk)
 
     def _broadcast_flat(self, tensors: list[torch.Tensor]) -> None:
-        flat = _flatten_dense_tensors([t.detach() for t in tensors])
+        # a buffer of its own, even for one tensor (_flatten_dense_tensors returns a view of
+        # it then): freed in place after, since its work is kept ([Note: work objects at exit])
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         self.comm.broadcast(flat, src=0)
         with torch.no_grad():
             for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                 t.copy_(value)
-        if all(flat.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-               for t in tensors):  # (one tensor is flattened as a view of itself)
-            flat.untyped_storage().resize_(0)  # its work is kept ([Note: work objects at exit])
+        flat.untyped_storage().resize_(0)

@@ -62,11 +62,10 @@ units all passed there are put in the order they became ready, keeping the place
 whose units did not run in that micro-step (a layer skipped everywhere: one odd step does not
 move them for good); buckets whose units cannot fire (inputs that need no gradient) and buckets
 that got late gradients go last, launched at the end of backward. Inside a backward, a bucket
-whose units did not run in this forward (expected nowhere in it) launches at its turn,
-zero-filled. A gloo rank waits for an older launched bucket as long as the communicator's timeout
-allows (a slower peer is not a reason to hold more memory), except for buckets launched because
-their units did not run here: those it waits for at most ``PATIENCE_S`` (a peer where the unit
-ran launches them later), then stops bounding that backward's buffers.
+whose units did not run in its forward (expected nowhere in it) launches at its turn, from the
+start of the backward on, over a shared zero buffer that the memory bound does not wait for
+([Note: scratch launches] in collectives.py). A gloo rank waits for an older launched bucket as
+long as the communicator's timeout allows: a slower peer is not a reason to hold more memory.
 """
 
 from __future__ import annotations
@@ -88,6 +87,7 @@ from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, STRAY_GRAD, Binding
 from .collectives import BucketCollectives
 from .comm import Communicator
 from .layout import Layout
+from .outer_backward import CURRENT as OUTER
 from .selection import SelectedEntry
 from .storage import ShardStorage, holds_nonfinite
 from .units import Units
@@ -223,8 +223,10 @@ class ReductionWindow:
         # micro-step's bucket collectives are to be completed there
         self.dead = False
         self.dead_schedule = False
-        self.dead_launched = False  # its rest was launched when the backward raised
+        self.rest_pending = False  # its reductions are still to be launched (at settle())
         self.held_at_open = False  # the window held something when this micro-step opened
+        self.opened_in = 0  # the outermost backward call that opened it (outer_backward.py)
+        self.last_forward_sync = True  # the no_sync() mode of the last grad-enabled forward
         # selzero_plugin/amp.py: a GradScaler scaled this window's loss; its unscale_ ran
         self.scaled = False
         self.unscaled = False
@@ -320,6 +322,7 @@ class ReductionWindow:
         # mode at forward time (as DDP decides it).
         counts, sync = list(self.forward_counts), self.sync
         unfirable, ran = set(self.forward_unfirable), set(self.forward_ran)
+        self.last_forward_sync = sync
 
         def pre_backward(_grad: torch.Tensor) -> None:
             self._on_pre_backward(counts, unfirable, ran, sync)
@@ -370,6 +373,8 @@ class ReductionWindow:
         me = f"[rank {self.comm.rank}/{self.comm.size}]"
         self.settle()  # the start of a backward into the subset: every rank reaches it
         self.held_at_open = self._holds_anything()
+        self.opened_in = OUTER.call
+        self.scaled = self.scaled or OUTER.scaled  # selzero_plugin/amp.py
         unfrozen = [e.name for e in self.frozen if e.param.requires_grad]
         if unfrozen:
             self.raised = True
@@ -538,10 +543,11 @@ class ReductionWindow:
 
     # ---- a backward that raised; resets ----------------------------------------------------
 
-    def _note_interrupted(self) -> None:
-        """Outside backward, local only: mark the window dead if the backward that opened a
-        micro-step raised (its callback never ran) or selzero raised a usage error inside a
-        backward ([Note: a backward that raised]). No collective: see settle()."""
+    def _note_interrupted(self, *, launch_now: bool = False) -> None:
+        """Outside backward, local only unless ``launch_now``: mark the window dead if the
+        backward that opened a micro-step raised (its callback never ran) or selzero raised a
+        usage error inside a backward ([Note: a backward that raised]). Nothing is waited for
+        here: see settle()."""
         self.callback_queued = False  # no callback can be pending outside a backward
         self.backward_sync = None
         self.tentative = False
@@ -550,47 +556,68 @@ class ReductionWindow:
         if self.dead or (self.state is not WindowState.OPEN and not self.local_open
                          and not self.raised):
             return
-        self.dead = True
-        self.dead_schedule = self.state is WindowState.OPEN and self.launches_in_backward
-        self.local_open = False
+        self._die(self.state is WindowState.OPEN and self.launches_in_backward,
+                  self.held_at_open, launch_now)
 
-    def backward_failed(self, reached: bool) -> None:
+    def _die(self, schedule: bool, held: bool, launch_now: bool) -> None:
+        """A micro-step died. Count the drop when another rank could tell (the window held
+        something before it, or its reductions are issued); ``schedule``: its reductions are
+        to be issued, now (``launch_now``: without waiting, [Note: seeing a failed backward]
+        in failed_backward.py) or at settle(). A window already dead (a second batch failed
+        before its backward reached selzero) issues the rest of the first micro-step's first."""
+        if self.dead and self.rest_pending:
+            self.collectives.launch_rest_now()
+            self.rest_pending = False
+        if self.dead and schedule:
+            self.collectives.restart_microstep()
+        self.dropped += int(held or schedule)
+        self.dead = True
+        self.dead_schedule = schedule
+        self.local_open = False
+        if schedule and launch_now:
+            self.collectives.launch_rest_now()
+        else:
+            self.rest_pending = schedule
+
+    def backward_failed(self, reached: bool, call: int) -> None:
         """A backward raised on this rank and left ``torch.autograd.backward``
-        (selzero_plugin/backward.py). Mark the window dead and launch the rest of the micro-step's
-        buckets at once, without waiting: a peer still in its backward may be waiting for them
-        (on gloo its host blocks there), and the next point every rank reaches may be a host's
-        collective. ``reached``: the failed graph holds a selected parameter, so a backward that
-        raised before its first event reached selzero (in the loss's own backward) is a failed
-        micro-step all the same."""
+        (selzero_plugin/failed_backward.py): mark the window dead and launch the rest of the
+        micro-step's reductions at once, without waiting: a peer still in its backward may be
+        waiting for them (on gloo its host blocks there), and the next point every rank
+        reaches may be a host's collective. ``reached``: the failed graph accumulates into the
+        model's parameters, so a backward that raised before its first event reached selzero
+        (in the loss's own backward) is a failed micro-step all the same. ``call``: the
+        outermost call's number ([Note: ...] in outer_backward.py)."""
         if _in_backward():
             return  # an inner backward (a reentrant checkpoint's): its outer one raises too
-        if not self.callback_queued and not self.local_open and not self.raised:
-            if not reached or self.state is not WindowState.IDLE or self.dead:
-                return
-            self.held_at_open = self._holds_anything()  # the micro-step it would have opened
-            if self.sync:
-                self.state = WindowState.OPEN
-            else:
-                self.local_open = True
+        if self.state is WindowState.AWAITING_CLOSE and call and self.opened_in == call and \
+                not self.dead:
+            # a nested backward's callback closed this call's micro-step (the whole model under
+            # a reentrant checkpoint): it died all the same, its reductions all issued
+            self.state = WindowState.OPEN
+        if self.callback_queued or self.local_open or self.raised or \
+                self.state is WindowState.OPEN:
+            self._note_interrupted(launch_now=True)
+            return
+        if not reached or (self.state is not WindowState.IDLE and not self.dead):
+            return
+        # it raised before it reached selzero's hooks: the micro-step it would have opened
         self._note_interrupted()
-        if self.dead_schedule:  # count it as before; only the launches move here
-            self.collectives.launch_rest_now()
-            self.dead_launched = True
+        self._die(self.launches_in_backward and self.last_forward_sync,
+                  not self.dead and self._holds_anything(), True)
 
     def settle(self) -> bool:
         """At a point every rank of the group reaches: drop a dead window, first completing its
-        micro-step's bucket collectives (the rest of them, in order, zero-filled), and count
-        the drop when another rank could tell ([Note: a backward that raised]). Returns
-        whether that micro-step issued its reductions (a reduction point then has none left
-        to flush: they were this micro-step's)."""
+        micro-step's bucket collectives (the rest of them, in order, zero-filled) and waiting
+        for them ([Note: a backward that raised]). Returns whether that micro-step issued its
+        reductions (a reduction point then has none left to flush: they were this
+        micro-step's)."""
         if not self.dead:
             return False
-        if self.held_at_open or self.dead_schedule:
-            self.dropped += 1
-        issued = self.dead_schedule
-        if issued and not self.dead_launched:
-            self.collectives.launch_rest()
+        if self.rest_pending:
+            self.collectives.launch_rest_now()
         self.collectives.finish_all()
+        issued = self.dead_schedule
         self._forget_window()
         return issued
 
@@ -663,7 +690,7 @@ class ReductionWindow:
         self.raised = False
         self.dead = False
         self.dead_schedule = False
-        self.dead_launched = False
+        self.rest_pending = False
         self._reset_microstep()
         self.decision = None
 
