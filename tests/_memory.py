@@ -21,7 +21,7 @@ from selzero_plugin import SelectedZero2, SelZeroConfig
 from .models import loss_fn, make_batch
 from .parity import build_model, routes_for
 
-__all__ = ["MEM_SELECT", "MemModel", "memory_run", "gradient_lifetime_run"]
+__all__ = ["MEM_SELECT", "MemModel", "memory_run", "gradient_lifetime_run", "sync_broadcast_run"]
 
 MEM_SELECT = ["tiny", "frozen", "scale", "dense.*", "alias.*", "low.*", "moe.*"]
 
@@ -148,3 +148,37 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         out["steps"].append(record)
     return out
+
+
+class _BigExperts(nn.Module):
+    """Four 1 MiB experts, each larger than the 0.5 MiB bucket (one-tensor broadcasts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.experts = nn.ModuleList([nn.Linear(512, 512, bias=False) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).repeat(1, 64)
+        for expert in self.experts:
+            h = expert(h)
+        return h
+
+
+def sync_broadcast_run(rank: int, world: int) -> dict[str, Any]:
+    """``sync_from_params(values, broadcast=True)`` (what the DeepSpeed door calls at every
+    ``initialize``) must not leave a broadcast's buffer alive after it returns."""
+    from selzero_plugin.memtrace import track_allocations
+
+    torch.manual_seed(0)
+    model = _BigExperts()
+    sz = SelectedZero2(model, SelZeroConfig(params=["experts.*"], bucket_mb=0.5),
+                       torch.optim.SGD, {"lr": 0.1})
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("experts")}
+    values = {n: v + rank for n, v in before.items()}
+    with track_allocations() as trace:
+        sz.sync_from_params(values, broadcast=True)
+        gc.collect()
+    equal = all(torch.equal(model.get_parameter(n), before[n]) for n in values)  # rank 0's
+    return {"alive": [b for b in trace.alive_blocks() if b >= 2 ** 18], "net": trace.net,
+            "rank0_values": equal}

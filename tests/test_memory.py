@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._memory import gradient_lifetime_run, memory_run
+from ._memory import gradient_lifetime_run, memory_run, sync_broadcast_run
 from .dist_utils import all_values, run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -117,3 +117,12 @@ def test_bucket_buffers_are_released_at_the_reduction_point(lifetime):
             # the first two in the pool's blocks, the others in fresh ones
             assert record["from_pool"] == 2, (rank, step, record)
             assert record["bucket_buffers_held"] == [], (rank, step)
+
+
+def test_a_broadcast_sync_leaves_no_buffer_alive():
+    """Works are retained after their wait (exit cleanly, item 1 of the third pass): a retained
+    broadcast must not keep its flat buffer, here 1 MiB per expert, alive."""
+    for rank, run in enumerate(all_values(run_ranks(sync_broadcast_run, 2, timeout=90))):
+        assert run["rank0_values"], rank
+        assert run["alive"] == [], (rank, run)
+        assert run["net"] < 2 ** 16, (rank, run)  # a few scalars at most
