@@ -31,7 +31,6 @@ import contextlib
 import copy
 import functools
 import inspect
-import json
 import logging
 import math
 import os
@@ -122,12 +121,14 @@ def _check_deepspeed(deepspeed: Any) -> None:
 
 
 def register() -> None:
-    """Make ``deepspeed.initialize`` honour the ``"selected_zero2"`` entry (idempotent)."""
+    """Make ``deepspeed.initialize`` honour the ``"selected_zero2"`` entry (idempotent), and
+    make every engine construction that did not pass through it refuse the entry."""
     import deepspeed
 
     if getattr(deepspeed.initialize, "_selzero_wrapped", False):
         return
     _check_deepspeed(deepspeed)
+    _guard_engine_construction()
     original = deepspeed.initialize
 
     @functools.wraps(original)
@@ -137,6 +138,64 @@ def register() -> None:
     wrapped._selzero_wrapped = True  # type: ignore[attr-defined]
     wrapped._selzero_original = original  # type: ignore[attr-defined]
     deepspeed.initialize = wrapped
+
+
+# [Note: every path to an engine]
+# ``register`` replaces one module attribute, ``deepspeed.initialize``; a program that bound the
+# function before (``from deepspeed import initialize`` above ``import selzero_plugin``) calls
+# the original, and DeepSpeed ignores keys it does not know: stock ZeRO would train the experts
+# (wrong under uneven routing). Every engine is built by ``DeepSpeedEngine.__init__`` (the
+# hybrid and pipeline engines are subclasses), so that is where the bypass is caught: an engine
+# whose config holds the entry (or a near-miss of its key) and that is not being built by
+# selzero's ``_initialize`` raises before DeepSpeed does anything, on every rank (the config is
+# the same on every rank; nothing is communicated).
+_BUILDING = [0]  # engines under construction by _initialize (nesting: the Trainer's door)
+
+
+def _guard_engine_construction() -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    init = DeepSpeedEngine.__init__
+    if getattr(init, "_selzero_wrapped", False):
+        return
+
+    @functools.wraps(init)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> None:
+        config_class = kwargs.get("config_class")
+        params = getattr(config_class, "_param_dict", None)
+        if isinstance(params, dict) and not _BUILDING[0]:
+            _refuse_near_miss(params)
+            if ENTRY in params:
+                raise ConfigError(
+                    f"the DeepSpeed config has a \"{ENTRY}\" block, but this engine was built "
+                    "by a deepspeed.initialize that selzero did not wrap (it was bound before "
+                    "`import selzero_plugin.deepspeed`, e.g. `from deepspeed import initialize` "
+                    "at the top of the script). DeepSpeed would ignore the block and train the "
+                    "selected parameters with stock ZeRO. Import selzero_plugin.deepspeed before "
+                    "binding deepspeed.initialize, call deepspeed.initialize(...) through the "
+                    "module, or call selzero_plugin.deepspeed.initialize(...).")
+        init(self, *args, **kwargs)
+
+    guarded._selzero_wrapped = True  # type: ignore[attr-defined]
+    DeepSpeedEngine.__init__ = guarded
+
+
+def _refuse_near_miss(config: dict[str, Any]) -> None:
+    """A top-level key that is meant to be the entry but is not spelled as it is."""
+    if ENTRY in config:
+        return
+    import difflib
+
+    for key in config:
+        if not isinstance(key, str):
+            continue
+        folded = "".join(ch for ch in key.lower() if ch.isalnum())
+        if folded == "selectedzero2" or difflib.SequenceMatcher(None, key.lower(), ENTRY).ratio() \
+                >= 0.85:
+            raise ConfigError(
+                f"DeepSpeed config key {key!r} is not {ENTRY!r}: DeepSpeed ignores unknown keys, "
+                f"so selzero would not run and stock ZeRO would take the selected parameters. "
+                f"Rename it to \"{ENTRY}\".")
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:
@@ -164,15 +223,20 @@ def _load_config(bound: dict[str, Any]) -> tuple[str, Any]:
 
 
 def _read_config(config: Any) -> dict[str, Any] | None:
+    """The config as ``deepspeed.initialize`` reads it (a dict; a path to a JSON or hjson file;
+    a base64 string), with DeepSpeed's own loader; None where DeepSpeed itself would fail (it
+    then raises its own error)."""
+    if config is None:
+        return None
     if isinstance(config, dict):
         return config
-    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        try:
-            with open(config) as f:
-                return json.load(f)
-        except ValueError:
-            return None  # not JSON (hjson, ...): leave it to DeepSpeed, which has no entry then
-    return None
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    try:
+        loaded = load_ds_config(config)
+    except (ValueError, TypeError, OSError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> None:
@@ -184,7 +248,7 @@ def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> Non
             "(deepspeed/runtime/zero/parameter_offload.py), so none can be left to selzero. Use "
             "stage 2 (or 0/1) with the entry, or FSDP2 as the host through Accelerate "
             "(selzero-accelerate launch --selzero_config ...).")
-    if (ds_config.get("fp16") or {}).get("enabled") in (True, "true", "auto"):
+    if _precision(ds_config)[1]:
         raise ConfigError(
             "selected_zero2 with fp16.enabled: the subset's gradients would need DeepSpeed's "
             "dynamic loss scale and its overflow check, which selzero does not take part in. "
@@ -213,6 +277,25 @@ def _refuse_unsupported(ds_config: dict[str, Any], bound: dict[str, Any]) -> Non
             "selected_zero2 with DeepSpeed model/tensor parallelism (an mpu, or "
             "tensor_parallel.autotp_size): not supported; selzero's norm would be counted once "
             "per tensor-parallel rank. Drop the entry or the model parallelism.")
+
+
+def _precision(ds_config: dict[str, Any]) -> tuple[bool, bool]:
+    """(bf16, fp16) as DeepSpeed resolves them (``"bf16"`` or the legacy ``"bfloat16"`` key;
+    DeepSpeed's own config models)."""
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    def enabled(key: str, get: Callable[[dict[str, Any]], Any]) -> bool:
+        block = ds_config.get(key)
+        if isinstance(block, dict) and block.get("enabled") == "auto":
+            return True  # resolved by the HF integration before DeepSpeed sees it
+        try:
+            return bool(get(ds_config).enabled)
+        except Exception:  # noqa: BLE001 - a malformed block: DeepSpeed reports it itself
+            return isinstance(block, dict) and block.get("enabled") in (True, "true")
+
+    bf16 = enabled("bf16", get_bfloat16_config) or \
+        ("bf16" not in ds_config and enabled("bfloat16", get_bfloat16_config))
+    return bf16, enabled("fp16", get_float16_config)
 
 
 def _entry_config(block: Any) -> tuple[SelZeroConfig, int | None]:
@@ -290,6 +373,31 @@ def _refuse_misuse(model: nn.Module, entries: list[Any], client: Any) -> None:
             f"deepspeed.initialize (name {instance!r}): {names[:5]}. DeepSpeed would take "
             "their gradients too. The entry runs one instance: select these parameters in its "
             "\"params\" as well, or call remove_hooks() on that instance first.")
+
+
+def _refuse_deepspeed_moe(model: nn.Module, entries: list[Any]) -> None:
+    """DeepSpeed's own MoE layer: its experts are reduced by DeepSpeed over its expert groups
+    (their parameters carry ``allreduce=False``) and ZeRO-1/2 asserts that some param group is
+    marked MoE, which no group is once selzero takes the experts."""
+    try:
+        from deepspeed.moe.layer import MoE
+    except ImportError:  # pragma: no cover - every supported DeepSpeed has it
+        return
+    layers = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not layers:
+        return
+    selected = {id(e.param) for e in entries}
+    taken = [name for name in layers
+             if any(id(p) in selected for p in model.get_submodule(name).parameters())]
+    if taken:
+        raise ConfigError(
+            f"selected_zero2 selects parameters of DeepSpeed's own MoE layer "
+            f"(deepspeed.moe.layer.MoE at {taken[:3]}): DeepSpeed reduces those experts itself "
+            "over its expert-parallel groups and its ZeRO optimizer requires them in its MoE "
+            "param groups, so selzero cannot take them. Either build the experts as a plain "
+            "nn.ModuleList (or a fused expert tensor) and select them with selected_zero2 "
+            "(\"group\": {\"expert_parallel_size\": E} for expert parallelism), or keep "
+            "DeepSpeed's MoE layer and leave its parameters out of \"params\".")
 
 
 def _no_backward_since_step(engine: Any) -> bool:
@@ -505,8 +613,20 @@ def _install(engine: Any, sz: SelectedZero2, mirrors_host: bool) -> _Plumbing:
         stack.enter_context(sz.no_sync())
         return stack
 
+    orig_coalesce = getattr(engine, "coalesce_grad_reduction", None)
+
+    def coalesce_grad_reduction(*args: Any, **kwargs: Any) -> Any:
+        # DeepSpeed's backwards inside leave their gradients local, reduced once at exit: the
+        # subset's are local micro-steps (selzero's no_sync), reduced by the next step()
+        stack = contextlib.ExitStack()
+        stack.enter_context(orig_coalesce(*args, **kwargs))
+        stack.enter_context(sz.no_sync())
+        return stack
+
     engine.backward = backward
     engine.step = step
+    if orig_coalesce is not None:
+        engine.coalesce_grad_reduction = functools.wraps(orig_coalesce)(coalesce_grad_reduction)
     engine.allreduce_gradients = allreduce_gradients
     engine.no_sync = no_sync
     _install_norm(engine, plumbing)
@@ -624,8 +744,18 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
     @functools.wraps(orig_save)
     def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        host_checkpoint.save_into(os.path.join(save_dir, tag), [sz])  # returns when all are done
-        return orig_save(save_dir, tag, *args, **kwargs)
+        root = host_checkpoint.save_into(os.path.join(save_dir, tag), [sz])  # all ranks done
+        out = orig_save(save_dir, tag, *args, **kwargs)
+        error: SelZeroError | None = None
+        try:
+            _embed_for_zero_to_fp32(engine, sz, save_dir, tag, root)
+        except (OSError, RuntimeError, SelZeroError) as e:
+            error = e if isinstance(e, SelZeroError) else CheckpointError(
+                f"{save_dir}/{tag}: writing the subset's FP32 values into DeepSpeed's model "
+                f"states file failed ({type(e).__name__}: {e}); selzero's folder is complete, "
+                "but DeepSpeed's zero_to_fp32 would miss the subset. Free space and save again.")
+        agree_on_local_errors(sz.world_communicator(), error, what=f"save into {save_dir}")
+        return out
 
     @functools.wraps(orig_load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any,
@@ -644,7 +774,16 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
                  "load_module_only"]
         options = dict(zip(names, args))
         options.update(kwargs)
-        module_only = bool(options.get("load_module_only", False))
+        # module-only loads and loads without optimizer states read the module, as DeepSpeed's
+        # do (its FP32 masters are rebuilt from the module's weights): any world size
+        module_only = bool(options.get("load_module_only", False)) or \
+            not options.get("load_optimizer_states", True)
+        if module_only:
+            load_path, client_state = orig_load(load_dir, tag, **options)
+            if load_path is not None:
+                sz.sync_from_params()  # the module's weights, fresh subset state
+                sz.optimizer.state.clear()
+            return load_path, client_state
         fresh = False
         # every rank must see the same thing (node-local disks, a stale NFS view): agreed
         present = folder is not None and host_checkpoint.has_folder(folder)
@@ -657,7 +796,7 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
                 f"({host_checkpoint.FOLDER}/) is visible on {int(seen[0])} rank(s) and missing on "
                 f"{int(seen[1])}; every rank must load the same checkpoint (copy it to every "
                 "node, or point every rank at shared storage).")
-        if folder is not None and os.path.isdir(folder) and not module_only and not present:
+        if folder is not None and os.path.isdir(folder) and not present:
             if not selzero_fresh_start:
                 raise CheckpointError(
                     f"{folder!r} has no selzero folder ({host_checkpoint.FOLDER}/): it was saved "
@@ -670,20 +809,73 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
         load_path, client_state = orig_load(load_dir, tag, **options)
         if load_path is None:
             return load_path, client_state
-        if fresh or (module_only and not host_checkpoint.has_folder(folder)):
-            if fresh:
-                logger.warning("selzero: %s has no %s/ folder; loaded the weights, the "
-                               "optimizers start fresh.", folder, host_checkpoint.FOLDER)
+        if fresh:
+            logger.warning("selzero: %s has no %s/ folder; loaded the weights, the "
+                           "optimizers start fresh.", folder, host_checkpoint.FOLDER)
             sz.sync_from_params()  # the module's weights, fresh subset state
             sz.optimizer.state.clear()
         else:
             host_checkpoint.load_from(folder, [sz])  # FP32 values (masters) and state
-            if module_only or not options.get("load_optimizer_states", True):
-                sz.optimizer.state.clear()  # like DeepSpeed's: weights only, fresh state
         return load_path, client_state
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+# [Note: zero_to_fp32 sees the subset]
+# DeepSpeed's converters (the zero_to_fp32.py it copies into every checkpoint, the Trainer's
+# included; get_fp32_state_dict_from_zero_checkpoint; load_state_dict_from_zero_checkpoint)
+# rebuild FP32 weights from the ZeRO optimizer's flat partitions, which do not hold the subset,
+# plus the model states file's "frozen" parameters (FROZEN_PARAM_SHAPES / FRAGMENTS, read at
+# ZeRO-1/2, utils/zero_to_fp32.py _zero2_merge_frozen_params). After every save the rank that
+# wrote that file (data-parallel rank 0) reads selzero's just-written folder (no collective)
+# and adds the subset's whole FP32 values (masters under bf16) there. DeepSpeed's own load skips
+# those entries (they are trainable: runtime/engine.py, is_optimized_parameter), selzero loads
+# its folder. Cost: one FP32 copy of the subset in that file and, while it is written, in that
+# rank's host memory. Expert-parallel instances hold only their own experts; with them the
+# converters are not covered (a warning says so: use `selzero consolidate`).
+
+
+def _embed_for_zero_to_fp32(engine: Any, sz: SelectedZero2, save_dir: str, tag: str,
+                            root: Any) -> None:
+    if not engine.zero_optimization() or not engine.save_non_zero_checkpoint:
+        return  # stage 0: the module states hold every parameter; other ranks write no file
+    if not sz.spans_world:
+        logger.warning("selzero: expert-parallel instances: DeepSpeed's zero_to_fp32 does not "
+                       "see the experts of %s; consolidate them with `selzero consolidate`.",
+                       os.path.join(save_dir, tag))
+        return
+    from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES
+
+    from .checkpoint.tools import full_values
+
+    path = engine._get_ckpt_name(save_dir, tag)
+    if not os.path.isfile(path):  # a non-default checkpoint engine that writes later
+        logger.warning("selzero: %s is not written yet (an asynchronous checkpoint engine?); "
+                       "DeepSpeed's zero_to_fp32 will not see the subset of this save.", path)
+        return
+    values = full_values(os.path.join(str(root), sz.config.name))
+    for e in sz.entries:
+        if e.frozen:  # not in selzero's folder: the module's values
+            for name in (e.name, *getattr(e, "aliases", ())):
+                values.setdefault(name, e.param.detach().float().cpu().clone())
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get(FROZEN_PARAM_FRAGMENTS) is None:  # ZeRO-1: DeepSpeed's own frozen ones too
+        # (its load then copies every parameter it does not optimize from this dict)
+        state[FROZEN_PARAM_SHAPES] = engine._get_zero_frozen_param_attributes(
+            engine._get_param_shape_func)
+        state[FROZEN_PARAM_FRAGMENTS] = engine._get_zero_frozen_param_attributes(
+            engine._get_param_fragment_func)
+    shapes = dict(state.get(FROZEN_PARAM_SHAPES) or {})
+    fragments = dict(state.get(FROZEN_PARAM_FRAGMENTS) or {})
+    for name, value in values.items():
+        shapes[name] = value.shape
+        fragments[name] = value
+    state[FROZEN_PARAM_SHAPES] = shapes
+    state[FROZEN_PARAM_FRAGMENTS] = fragments
+    tmp = f"{path}.selzero-tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def _world_communicator(timeout_s: float) -> Communicator:
@@ -699,6 +891,8 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     bound = inspect.signature(original).bind(*args, **kwargs)
     source, raw = _load_config(bound.arguments)
     config = _read_config(raw)
+    if config is not None:
+        _refuse_near_miss(config)
     if config is None or ENTRY not in config:
         return original(*args, **kwargs)
     sz_config, ep = _entry_config(config[ENTRY])
@@ -724,6 +918,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                                     modules=list(sz_config.modules),
                                     expert_dim=sz_config.expert_dim)
         _refuse_misuse(model, entries, bound.arguments.get("optimizer"))
+        _refuse_deepspeed_moe(model, entries)
     except SelZeroError as e:
         error = e
     agree_on_local_errors(world, error, what="selected_zero2 at deepspeed.initialize")
@@ -731,7 +926,7 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # expert parallelism: SelectedZero2 shards over this rank's expert-data-parallel group and
     # is named <name>-ep{ep_rank}
     sz_group = expert_data_parallel_groups(ep) if ep is not None else None
-    bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
+    bf16 = _precision(ds_config)[0]
     # FP32 values before DeepSpeed casts the module (masters) and before its broadcast from
     # rank 0 (with "broadcast": false each rank keeps its own values, e.g. expert-parallel
     # shards); cloned: the cast may reuse storage
@@ -751,7 +946,11 @@ def _initialize(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         setattr(args_copy, source, None)
         call["args"] = args_copy
         call["config"] = ds_config
-    engine, optimizer, dataloader, scheduler = original(**call)
+    _BUILDING[0] += 1
+    try:
+        engine, optimizer, dataloader, scheduler = original(**call)
+    finally:
+        _BUILDING[0] -= 1
 
     trainable = [e for e in entries if not e.frozen]
     opt, opt_kwargs, mirrors = _subset_optimizer(engine, ds_config)

@@ -170,6 +170,35 @@ def iter_full_state(folder: Path, manifest: Manifest
         reader.close()
 
 
+def full_values(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every trainable selected tensor's FP32 value, whole, in the model's shape (the experts of
+    a fused tensor stacked on dim 0), under its canonical name and its aliases. Frozen selected
+    tensors are not in a checkpoint (their values are the module's)."""
+    path, manifest = open_checkpoint(folder)
+    by_entry: dict[str, dict[int | None, torch.Tensor]] = {}
+    reader = FullStateReader(path, manifest)
+    try:
+        for v in manifest.virtuals:
+            for what, full in reader.full(v):
+                if what == VALUE:
+                    by_entry.setdefault(v.entry, {})[v.expert] = full.float().clone()
+                del full
+    finally:
+        reader.close()
+    out: dict[str, torch.Tensor] = {}
+    for entry in manifest.entries:
+        parts = by_entry.get(entry["name"])
+        if not parts:
+            continue
+        if None in parts:
+            value = parts[None].reshape(entry["shape"])
+        else:
+            value = torch.stack([parts[i] for i in sorted(parts)]).reshape(entry["shape"])
+        for name in [entry["name"], *entry.get("aliases", [])]:
+            out[name] = value
+    return out
+
+
 def _agreed_scalar(readers: list[LazyShard], owners: list[int], key: str) -> torch.Tensor:
     first = readers[owners[0]].read(key)
     for r in owners[1:]:
