@@ -60,6 +60,51 @@ def resolve_config(config: Any = None) -> SelZeroConfig:
     return SelZeroConfig.from_env()  # the file, then SELZERO_<FIELD> overrides
 
 
+def _config_source() -> str:
+    path = os.environ.get(ENV_CONFIG_FILE)
+    return f"the selzero config ({path})" if path else "the selzero config"
+
+
+def _refuse_conflicting_block(block: Any, cfg: SelZeroConfig) -> None:
+    """A DeepSpeed file that has its own "selected_zero2" block beside --selzero_config: the
+    same fields may repeat, different values are refused (the file's would win silently)."""
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise ConfigError(f"the DeepSpeed config's \"selected_zero2\" is {block!r}, not an object "
+                          f"of selzero fields; remove it and keep {_config_source()}.")
+    mine = cfg.to_dict()
+    differ = {}
+    for key, value in block.items():
+        if key == "group":
+            continue
+        try:
+            theirs = SelZeroConfig.from_dict({**mine, key: value}).to_dict()[key]
+        except ConfigError as e:
+            raise ConfigError(f"the DeepSpeed config's \"selected_zero2\" block: {e}") from None
+        if theirs != mine.get(key):
+            differ[key] = (value, mine.get(key))
+    if differ:
+        details = "; ".join(f"{k}: DeepSpeed file {a!r}, --selzero_config {b!r}"
+                            for k, (a, b) in differ.items())
+        raise ConfigError(
+            f"the DeepSpeed config has its own \"selected_zero2\" block that differs from "
+            f"{_config_source()} ({details}). One of them would be dropped silently: remove the "
+            "block from the DeepSpeed file, or launch without --selzero_config.")
+
+
+def _refuse_nothing_left_for_ddp(model: nn.Module, sz: SelectedZero2, cfg: SelZeroConfig) -> None:
+    selected = {id(e.param) for e in sz.entries}
+    if any(p.requires_grad and id(p) not in selected for p in model.parameters()):
+        return
+    raise ConfigError(
+        f"{_config_source()} selects every trainable parameter (params={list(cfg.params)!r}): "
+        "nothing is left for Accelerate's DistributedDataParallel, which then refuses the model "
+        "(\"DistributedDataParallel is not needed...\"). Select the subset to shard (e.g. "
+        "params: [\"*.experts.*\"]) and leave the rest to DDP; to shard every parameter, use "
+        "FSDP2 (fsdp_version: 2) or DeepSpeed ZeRO as Accelerate's host instead.")
+
+
 def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwargs: Any) -> Any:
     """``accelerator.prepare(*objects)`` with selzero on the config's parameters (same return)."""
     from accelerate.utils import DistributedType
@@ -77,6 +122,7 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         import selzero_plugin.deepspeed  # noqa: F401 - the registration does the work
 
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        _refuse_conflicting_block(ds.get("selected_zero2"), cfg)
         ds.setdefault("selected_zero2", cfg.to_dict())
         out = accelerator.prepare(*objects, **prepare_kwargs)
         return out
@@ -111,6 +157,8 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         # storage (moving the module later would replace that storage)
         model.to(accelerator.device)
     sz = SelectedZero2(model, cfg, host_opt)  # (a selection of nothing is refused there)
+    if kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        _refuse_nothing_left_for_ddp(model, sz, cfg)
     if fsdp:
         _ignore_in_fsdp_plugin(accelerator.state.fsdp_plugin, model, [e.param for e in sz.entries])
     elif kind != DistributedType.NO:

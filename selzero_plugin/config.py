@@ -12,6 +12,7 @@ import difflib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -143,9 +144,11 @@ class SelZeroConfig:
             if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
                 continue
             name = var[len(ENV_PREFIX):].lower()
-            if name not in fields:
-                raise ConfigError(f"environment variable {var}: not a selzero field"
-                                  f"{_did_you_mean(var, env_names)}.")
+            if name not in fields:  # another tool's variable, or a typo: say so, go on
+                warnings.warn(f"environment variable {var} starts with {ENV_PREFIX} but is not a "
+                              f"selzero field{_did_you_mean(var, env_names)}; it is ignored.",
+                              stacklevel=2)
+                continue
             values[name] = _parse_env_value(var, name, raw)
         if not values:
             raise ConfigError(f"selzero config from the environment: neither {ENV_CONFIG_FILE} nor any "
@@ -235,9 +238,20 @@ def _read_file(path: Path) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"selzero config file {str(path)!r} is not valid YAML{where}: "
+                              f"{getattr(e, 'problem', None) or e}. Fix the file (e.g. "
+                              "params: [\"*.experts.*\"] on one line).") from None
     elif path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"selzero config file {str(path)!r} is not valid JSON: {e}. Fix "
+                              "the file (JSON allows no comments or trailing commas).") from None
     else:
         raise ConfigError(f"selzero config file {str(path)!r}: expected a .json, .yaml or .yml file.")
     if isinstance(data, Mapping) and "selected_zero2" in data:

@@ -131,9 +131,26 @@ def test_from_env_config_file_with_overrides(tmp_path):
                               missing_grad="skip")
 
 
-def test_cannot_use_unknown_selzero_variable_and_the_error_names_the_closest():
-    with pytest.raises(ConfigError, match=r"SELZERO_BUCKETMB.*did you mean 'SELZERO_BUCKET_MB'"):
-        SelZeroConfig.from_env({"SELZERO_PARAMS": '["x"]', "SELZERO_BUCKETMB": "1"})
+def test_an_unknown_selzero_variable_warns_naming_the_closest_and_is_ignored():
+    """Another tool's SELZERO_* variable must not abort a launch (issue 21 item 14); a typo of
+    a field is named in the warning."""
+    with pytest.warns(UserWarning, match=r"SELZERO_BUCKETMB.*did you mean 'SELZERO_BUCKET_MB'"):
+        c = SelZeroConfig.from_env({"SELZERO_PARAMS": '["x"]', "SELZERO_BUCKETMB": "1",
+                                    "SELZERO_CLUSTER_TAG": "blue"})
+    assert c == SelZeroConfig(params=["x"])
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("bad.yaml", "params: [*.experts.*\nbucket_mb: 3\n", "is not valid YAML at line 1"),
+    ("bad.json", '{"params": ["x"],}', "is not valid JSON"),
+])
+def test_a_malformed_file_is_a_config_error_naming_the_file(tmp_path, name, text, expected):
+    """Not PyYAML's traceback naming `<unicode string>` (issue 21 item 15)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=expected) as info:
+        SelZeroConfig.from_file(path)
+    assert str(path) in str(info.value)
 
 
 @pytest.mark.parametrize("var, raw, needle", [

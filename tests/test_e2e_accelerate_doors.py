@@ -1,0 +1,91 @@
+"""`selzero-accelerate launch` on what real scripts and environments hold (issue 21, items 12,
+14, 15): a DeepSpeed file whose own "selected_zero2" block differs from --selzero_config,
+another tool's SELZERO_* variable, a config that selects every parameter, a malformed file.
+Each is selzero's own message, never a silent choice or a third-party traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytestmark = [pytest.mark.e2e, pytest.mark.multiproc]
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "integrations" / "accelerate" / "train.py"
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(args: list[str], *, env: dict[str, str], cwd: Path, timeout: int = 300
+            ) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "selzero-accelerate"), "launch", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_a_config_selecting_every_parameter_is_refused_naming_the_file(tmp_path):
+    """Before: torch's "DistributedDataParallel is not needed when a module doesn't have any
+    parameter that requires a gradient"."""
+    config = tmp_path / "all.yaml"
+    config.write_text('params: ["*"]\n')
+    proc = _launch(["--multi_gpu", "--num_processes", "2", "--main_process_port",
+                    str(_free_port()), "--selzero_config", str(config), str(TRAIN), "--out",
+                    str(tmp_path / "w.safetensors")], env=ENV, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "selects every trainable parameter" in proc.stderr, proc.stderr[-3000:]
+    assert str(config) in proc.stderr and "FSDP2" in proc.stderr
+
+
+def test_a_malformed_yaml_is_refused_before_any_process_starts(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("params: [*.experts.*\nbucket_mb: 3\n")
+    proc = _launch(["--selzero_config", str(config), str(TRAIN)], env=ENV, cwd=tmp_path,
+                   timeout=120)
+    assert proc.returncode == 2
+    assert "is not valid YAML at line 1" in proc.stderr and str(config) in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "<unicode string>" not in proc.stderr
+
+
+def test_another_tools_selzero_variable_only_warns(tmp_path):
+    """Before: "environment variable SELZERO_CLUSTER: not a selzero field", exit 2."""
+    config = tmp_path / "c.yaml"
+    config.write_text('params: ["*.experts.*"]\n')
+    env = {**ENV, "SELZERO_CLUSTER": "blue"}
+    proc = _launch(["--num_processes", "1", "--selzero_config", str(config), str(TRAIN),
+                    "--steps", "1", "--out", str(tmp_path / "w.safetensors")], env=env,
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SELZERO_CLUSTER" in proc.stderr and "ignored" in proc.stderr
+
+
+def test_a_deepspeed_file_with_a_different_block_is_refused(tmp_path):
+    """Before: the DeepSpeed file's block silently won over --selzero_config."""
+    ds = {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+          "steps_per_print": 10 ** 9,
+          "selected_zero2": {"params": ["*.experts.*"], "bucket_mb": 1}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    config = tmp_path / "c.yaml"
+    config.write_text('params: ["*.experts.*"]\nbucket_mb: 4\n')
+    env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
+    proc = _launch(["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json"),
+                    "--num_processes", "2", "--main_process_port", str(_free_port()),
+                    "--selzero_config", str(config),
+                    str(ROOT / "tests" / "_accelerate_deepspeed_script.py"),
+                    str(tmp_path / "w.safetensors"), "1", "0"], env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "differs from the selzero config" in proc.stderr, proc.stderr[-3000:]
+    assert "bucket_mb" in proc.stderr and str(config) in proc.stderr
