@@ -6,27 +6,15 @@ Each is selzero's own message, never a silent choice or a third-party traceback.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from .test_e2e_accelerate import BIN, ENV, ROOT, TRAIN, _free_port
+
 pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc]
-
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "integrations" / "accelerate" / "train.py"
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(args: list[str], *, env: dict[str, str], cwd: Path, timeout: int = 300
