@@ -30,6 +30,7 @@ def _patch() -> None:
                 or getattr(self, "selzero", None) is not None \
                 or not any(isinstance(o, nn.Module) for o in objects):
             return original(self, *objects, **kwargs)
+        sz_accelerate.refuse_trainer_without_callback()
         done["flag"] = True
         Accelerator.prepare = original  # selzero's prepare calls the real one
         try:

@@ -42,7 +42,7 @@ from .core.window import WindowState
 from .core.zero2 import SelectedZero2
 from .errors import ConfigError, SelectionError, UsageError
 
-__all__ = ["prepare", "main", "resolve_config"]
+__all__ = ["prepare", "main", "resolve_config", "refuse_trainer_without_callback"]
 
 
 def resolve_config(config: Any = None) -> SelZeroConfig:
@@ -58,6 +58,34 @@ def resolve_config(config: Any = None) -> SelZeroConfig:
                           f"{ENV_CONFIG_FILE} is not set; pass config=... or launch with "
                           "`selzero-accelerate launch --selzero_config FILE ...`.")
     return SelZeroConfig.from_env()  # the file, then SELZERO_<FIELD> overrides
+
+
+def refuse_trainer_without_callback() -> None:
+    """The launcher's routing reached from a ``transformers.Trainer`` (its prepare) that has no
+    ``SelectedZero2Callback``: selzero would train, but the Trainer's checkpoints would not hold
+    selzero's folder, so a resume would silently reset the subset's optimizer state. With the
+    callback the Trainer's prepare goes through it and never reaches the launcher's routing."""
+    trainers = sys.modules.get("transformers")
+    trainer_cls = getattr(trainers, "Trainer", None) if trainers is not None else None
+    if trainer_cls is None:
+        return
+    from .trainer import SelectedZero2Callback
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        trainer = frame.f_locals.get("self")
+        if isinstance(trainer, trainer_cls):
+            handler = getattr(trainer, "callback_handler", None)
+            if any(isinstance(cb, SelectedZero2Callback)
+                   for cb in getattr(handler, "callbacks", [])):
+                return
+            raise ConfigError(
+                "selzero-accelerate launch runs a transformers Trainer without "
+                "SelectedZero2Callback: the Trainer's checkpoints would not hold selzero's state "
+                "(a resume would silently restart the experts' optimizer state). Add the "
+                "callback: Trainer(..., callbacks=[SelectedZero2Callback()]) (it reads the "
+                "launcher's --selzero_config), and launch as before.")
+        frame = frame.f_back
 
 
 def _config_source() -> str:

@@ -78,6 +78,7 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         self._resume: str | None = None
         self._figures = dict.fromkeys(LOG_KEYS, 0)
         self._steps_since_log = 0
+        self._saved_in: str | None = None  # the checkpoint folder selzero last wrote into
 
     # ---- where selzero comes in ------------------------------------------------------------
 
@@ -121,7 +122,29 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
             self._route_prepare(trainer)
         self._wrap_train(trainer)
         self._wrap_log(trainer)
+        self._wrap_save(trainer)
         return control
+
+    def _wrap_save(self, trainer: Any) -> None:
+        """selzero's folder is written inside the Trainer's checkpoint save, with its optimizer
+        state and before the Trainer rotates old checkpoints away: a save that fails leaves the
+        previous complete checkpoint in place. (Under DeepSpeed the engine's save_checkpoint,
+        called from the same method, writes it.)"""
+        original = getattr(trainer, "_save_optimizer_and_scheduler", None)
+        if original is None or trainer.is_deepspeed_enabled:
+            return
+        callback = self
+
+        @functools.wraps(original)
+        def save_optimizer_and_scheduler(output_dir: str, *args: Any, **kwargs: Any) -> Any:
+            out = original(output_dir, *args, **kwargs)
+            sz = callback.selzero
+            if sz is not None:
+                host_checkpoint.save_into(output_dir, [sz])
+            callback._saved_in = output_dir
+            return out
+
+        trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
 
     def _route_prepare(self, trainer: Any) -> None:
         acc = trainer.accelerator
@@ -269,8 +292,10 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         run_dir = self.trainer._get_output_dir(trial=getattr(self.trainer, "_trial", None)) \
             if hasattr(self.trainer, "_get_output_dir") else args.output_dir  # as _save_checkpoint
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if args.save_only_model:
-            return control  # the Trainer saves no optimizer state either
+        written = self._saved_in is not None and \
+            os.path.normpath(self._saved_in) == os.path.normpath(folder)
+        if args.save_only_model or written:
+            return control  # no optimizer state saved, or written inside the save already
         host_checkpoint.save_into(folder, [sz])
         return control
 

@@ -178,12 +178,45 @@ def refusals(out: Path, model: str) -> None:
     (out / f"refusals{dist.get_rank()}.json").write_text(json.dumps(seen))
 
 
+def rotation(out: Path, model: str) -> None:
+    """``save_total_limit=1``, saving every 2 steps; selzero's write into checkpoint-4 fails
+    (a full disk: the same error on every rank). A complete checkpoint must remain."""
+    from selzero_plugin.checkpoint import host
+    from selzero_plugin.errors import CheckpointError
+
+    original, calls = host.save_into, []
+
+    def failing_second(folder, instances, **kwargs):
+        calls.append(str(folder))
+        if len(calls) == 2:
+            raise CheckpointError(f"{folder}: no space left on device (simulated)")
+        return original(folder, instances, **kwargs)
+
+    host.save_into = failing_second
+    work = out / "rotation"
+    trainer = hf_train.build_trainer(model, str(work), config_of("sz0"), steps=6, save_steps=2,
+                                     save_total_limit=1)
+    error = None
+    try:
+        trainer.train()
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        host.save_into = original
+    left = sorted(p.name for p in work.glob("checkpoint-*"))
+    complete = [name for name in left
+                if (work / name / host.FOLDER / "index.json").is_file()]
+    (out / f"rotation{dist.get_rank()}.json").write_text(json.dumps(
+        {"error": error, "left": left, "complete": complete, "calls": calls}))
+
+
 def main() -> None:
     out, model, variants = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     torch.set_num_threads(1)
+    special = {"fresh": fresh, "ds-fresh": ds_fresh, "refusals": refusals, "rotation": rotation}
     for variant in variants:
-        if variant in ("fresh", "ds-fresh", "refusals"):
-            {"fresh": fresh, "ds-fresh": ds_fresh, "refusals": refusals}[variant](out, model)
+        if variant in special:
+            special[variant](out, model)
         else:
             run(out, model, variant)
     hf_train.finish()

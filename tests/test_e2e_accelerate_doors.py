@@ -77,3 +77,38 @@ def test_a_deepspeed_file_with_a_different_block_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "differs from the selzero config" in proc.stderr, proc.stderr[-3000:]
     assert "bucket_mb" in proc.stderr and str(config) in proc.stderr
+
+
+_TRAINER_SCRIPT = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("hf", {train!r})
+hf = importlib.util.module_from_spec(spec); spec.loader.exec_module(hf)
+callback = None
+if sys.argv[1] == "with":
+    from selzero_plugin.trainer import SelectedZero2Callback
+    callback = SelectedZero2Callback()  # the launcher's --selzero_config
+trainer = hf.build_trainer("qwen3", sys.argv[2], callback, steps=1)
+trainer.train()
+print("trained", type(trainer.accelerator.selzero).__name__)
+hf.finish()
+"""
+
+
+@pytest.mark.parametrize("callback", ["without", "with"])
+def test_a_trainer_script_under_the_launcher_needs_the_callback(tmp_path, callback):
+    """Before: without the callback it trained with selzero but its checkpoints had no
+    selected_zero2/ folder (a resume reset the experts' optimizer state, 1.1e-2 off)."""
+    script = tmp_path / "trainer_script.py"
+    script.write_text(_TRAINER_SCRIPT.format(
+        train=str(ROOT / "integrations" / "hf_trainer" / "train.py")))
+    config = tmp_path / "c.yaml"
+    config.write_text('params: ["*.mlp.experts.*"]\nexpert_dim: 0\n')
+    proc = _launch(["--multi_gpu", "--num_processes", "2", "--main_process_port",
+                    str(_free_port()), "--selzero_config", str(config), str(script), callback,
+                    str(tmp_path / "out")], env=ENV, cwd=tmp_path)
+    if callback == "without":
+        assert proc.returncode != 0
+        assert "without SelectedZero2Callback" in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "trained SelectedZero2" in proc.stdout

@@ -50,7 +50,7 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_mixtral")
-    return out, _launch(out, "mixtral", "plain", "sz0", "fresh", "refusals")
+    return out, _launch(out, "mixtral", "plain", "sz0", "fresh", "refusals", "rotation")
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -195,6 +195,18 @@ def test_setups_that_would_train_wrong_are_refused_on_every_rank(mixtral):
         assert "are not in the optimizer given to prepare" in seen["optimizer without experts"]
         assert "the Trainer has 2 of them" in seen["two callbacks"]
         assert "prepares a new model (model_init" in seen["model_init twice"]
+
+
+def test_a_failed_selzero_save_leaves_the_previous_complete_checkpoint(mixtral):
+    """save_total_limit=1 and selzero's write into checkpoint-4 fails on every rank. Before:
+    the Trainer had rotated checkpoint-2 away before selzero wrote, leaving only checkpoint-4
+    without selected_zero2/ (resume failed on every rank)."""
+    out, _ = mixtral
+    for rank in (0, 1):
+        seen = json.loads((out / f"rotation{rank}.json").read_text())
+        assert "no space left on device" in (seen["error"] or ""), seen
+        assert "checkpoint-2" in seen["complete"], seen
+        assert seen["calls"][0].endswith("checkpoint-2"), seen
 
 
 def test_beside_deepspeed_fresh_start_resumes_a_checkpoint_without_selzero(deepspeed_runs):
