@@ -1,7 +1,7 @@
 """Run an unmodified training script with selzero: ``selzero-accelerate launch`` starts this file
 with the script's path first; it routes the script's first ``Accelerator.prepare`` that holds a
-model through ``selzero_plugin.accelerate.prepare`` (config from ``SELZERO_CONFIG``), then runs
-the script as ``__main__``."""
+model through ``selzero_plugin.accelerate.prepare`` (config from ``SELZERO_CONFIG``), and, when
+that call had no optimizer, the next one that has it; then runs the script as ``__main__``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 
 def _patch() -> None:
+    import torch
     from accelerate import Accelerator
     from torch import nn
 
@@ -26,6 +27,15 @@ def _patch() -> None:
 
     @functools.wraps(original)
     def prepare(self, *objects, **kwargs):
+        completes = getattr(self, "_selzero_pending", None) is not None \
+            and not getattr(self, "_selzero_preparing", False) \
+            and any(isinstance(o, torch.optim.Optimizer) for o in objects)
+        if completes:  # the model was prepared alone: its optimizer builds selzero
+            Accelerator.prepare = original
+            try:
+                return sz_accelerate.prepare(self, *objects, **kwargs)
+            finally:
+                Accelerator.prepare = prepare
         if done["flag"] or getattr(self, "_selzero_preparing", False) \
                 or getattr(self, "selzero", None) is not None \
                 or not any(isinstance(o, nn.Module) for o in objects):

@@ -121,10 +121,12 @@ def _refuse_conflicting_block(block: Any, cfg: SelZeroConfig) -> None:
             "block from the DeepSpeed file, or launch without --selzero_config.")
 
 
-def _refuse_nothing_left_for_ddp(model: nn.Module, sz: SelectedZero2, cfg: SelZeroConfig) -> None:
-    selected = {id(e.param) for e in sz.entries}
-    if any(p.requires_grad and id(p) not in selected for p in model.parameters()):
-        return
+def _refuse_nothing_left_for_ddp(model: nn.Module, sz: SelectedZero2 | None,
+                                 cfg: SelZeroConfig) -> None:
+    if sz is not None:
+        selected = {id(e.param) for e in sz.entries}
+        if any(p.requires_grad and id(p) not in selected for p in model.parameters()):
+            return
     raise ConfigError(
         f"{_config_source()} selects every trainable parameter (params={list(cfg.params)!r}): "
         "nothing is left for Accelerate's DistributedDataParallel, which then refuses the model "
@@ -137,6 +139,9 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
     """``accelerator.prepare(*objects)`` with selzero on the config's parameters (same return)."""
     from accelerate.utils import DistributedType
 
+    pending = getattr(accelerator, "_selzero_pending", None)
+    if pending is not None:  # the model was prepared alone before: this call has its optimizer
+        return _complete(accelerator, pending, objects, prepare_kwargs)
     if getattr(accelerator, "selzero", None) is not None:
         raise UsageError("selzero_plugin.accelerate.prepare: this Accelerator already prepared "
                          "a model with selzero; prepare the model and its optimizer once.")
@@ -165,12 +170,19 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
                          "DeepSpeed.")
     models = [o for o in objects if isinstance(o, nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    if len(models) != 1 or len(optimizers) != 1:
-        raise UsageError(f"selzero_plugin.accelerate.prepare: expected one model and one "
-                         f"optimizer among the objects, got {len(models)} and {len(optimizers)}; "
-                         "prepare them together, e.g. accelerator.prepare(model, optimizer, "
-                         "dataloader, scheduler).")
-    model, host_opt = models[0], optimizers[0]
+    if len(models) != 1 or len(optimizers) > 1:
+        raise UsageError(f"selzero_plugin.accelerate.prepare: expected one model (and its "
+                         f"optimizer) among the objects, got {len(models)} model(s) and "
+                         f"{len(optimizers)} optimizer(s); prepare one model with selzero.")
+    model = models[0]
+    earlier = None if optimizers else _prepared_optimizer_of(accelerator, model)
+    if not optimizers and earlier is None:
+        if fsdp:
+            raise UsageError("selzero_plugin.accelerate.prepare: under FSDP2 prepare the model "
+                             "together with its optimizer: accelerator.prepare(model, "
+                             "optimizer, ...).")
+        return _prepare_model_first(accelerator, model, cfg, kind, objects, prepare_kwargs)
+    host_opt = optimizers[0] if optimizers else earlier.optimizer
     _check_optimizer_holds_selection(model, cfg, host_opt)
     if fsdp and str(accelerator.mixed_precision) != "no":
         # Accelerate's FSDP2 prepare upcasts every trainable non-fp32 parameter to fp32
@@ -201,10 +213,93 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
     # "cpu"): point selzero at the parameters' storage as it is now
     sz.sync_from_params()
     prepared = list(out) if isinstance(out, (tuple, list)) else [out]
-    wrapped_model = prepared[objects.index(model)]
-    wrapped_opt = prepared[objects.index(host_opt)]
+    wrapped_model = prepared[_index(objects, model)]
+    wrapped_opt = prepared[_index(objects, host_opt)] if optimizers else earlier
     _install(accelerator, sz, wrapped_model, wrapped_opt)
     return out
+
+
+def _index(objects: Sequence[Any], obj: Any) -> int:
+    return next(i for i, o in enumerate(objects) if o is obj)
+
+
+def _prepared_optimizer_of(accelerator: Any, model: nn.Module) -> Any:
+    """An optimizer prepared before the model (``accelerator.prepare(optimizer)`` first) that
+    holds the model's parameters: the AcceleratedOptimizer, or None."""
+    params = {id(p) for p in model.parameters()}
+    for wrapped in getattr(accelerator, "_optimizers", []):
+        inner = getattr(wrapped, "optimizer", wrapped)
+        if any(id(p) in params for g in inner.param_groups for p in g["params"]):
+            return wrapped
+    return None
+
+
+# [Note: model prepared alone]
+# Many scripts prepare the model and the optimizer in separate calls (model first). DDP must be
+# told which parameters to leave to selzero before it wraps the model, but selzero is built on
+# the host optimizer: the model's call resolves the selection, marks it ignored for DDP and
+# prepares the model; the optimizer's call builds selzero (on the unwrapped model) and installs
+# it. A forward before that call would train the selection as nobody's (DDP ignores it): it
+# raises on every rank instead.
+
+
+def _prepare_model_first(accelerator: Any, model: nn.Module, cfg: SelZeroConfig, kind: Any,
+                         objects: Sequence[Any], prepare_kwargs: dict[str, Any]) -> Any:
+    from accelerate.utils import DistributedType
+
+    entries = resolve_selection(model, params=list(cfg.params), modules=list(cfg.modules),
+                                expert_dim=cfg.expert_dim)
+    if kind != DistributedType.NO:
+        selected = {id(e.param) for e in entries}
+        if not any(p.requires_grad and id(p) not in selected for p in model.parameters()):
+            _refuse_nothing_left_for_ddp(model, None, cfg)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for e in entries for n in e.names])
+    if getattr(accelerator, "device_placement", True):
+        model.to(accelerator.device)
+
+    def not_yet(_module: nn.Module, _args: Any) -> None:
+        raise UsageError(
+            "selzero: the model was prepared without its optimizer and has not been given it "
+            "yet; call accelerator.prepare(optimizer) (selzero is built there) before the first "
+            "forward.")
+
+    guard = model.register_forward_pre_hook(not_yet)
+    accelerator._selzero_preparing = True
+    try:
+        out = accelerator.prepare(*objects, **prepare_kwargs)
+    finally:
+        accelerator._selzero_preparing = False
+    prepared = list(out) if isinstance(out, (tuple, list)) else [out]
+    accelerator._selzero_pending = (model, prepared[_index(objects, model)], cfg, guard)
+    return out
+
+
+def _complete(accelerator: Any, pending: tuple[Any, ...], objects: Sequence[Any],
+              prepare_kwargs: dict[str, Any]) -> Any:
+    model, wrapped_model, cfg, guard = pending
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if not optimizers:  # a dataloader or scheduler in between
+        return _prepare_plain(accelerator, objects, prepare_kwargs)
+    host_opt = optimizers[0]
+    _check_optimizer_holds_selection(model, cfg, host_opt)
+    sz = SelectedZero2(model, cfg, host_opt)
+    out = _prepare_plain(accelerator, objects, prepare_kwargs)
+    sz.sync_from_params()
+    prepared = list(out) if isinstance(out, (tuple, list)) else [out]
+    guard.remove()
+    del accelerator._selzero_pending
+    _install(accelerator, sz, wrapped_model, prepared[_index(objects, host_opt)])
+    return out
+
+
+def _prepare_plain(accelerator: Any, objects: Sequence[Any], prepare_kwargs: dict[str, Any]
+                   ) -> Any:
+    accelerator._selzero_preparing = True  # the launcher's patched prepare steps aside
+    try:
+        return accelerator.prepare(*objects, **prepare_kwargs)
+    finally:
+        accelerator._selzero_preparing = False
 
 
 def _check_optimizer_holds_selection(model: nn.Module, cfg: SelZeroConfig,

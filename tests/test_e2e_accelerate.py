@@ -67,6 +67,17 @@ def test_launcher_matches_the_script_without_selzero(tmp_path, without_selzero, 
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, float((a[k] - b[k]).abs().max()))
 
 
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
+def test_model_and_optimizer_prepared_apart(tmp_path, without_selzero, order):
+    """Scripts that prepare the model and the optimizer in separate calls, in either order
+    (issue 21 item 11; before: "expected one model and one optimizer")."""
+    out = _launch(tmp_path, "--out", "with.safetensors", "--prepare", order)
+    assert "selzero: 16 parameters" in out, out
+    a, b = _weights(tmp_path / "with.safetensors"), without_selzero
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, float((a[k] - b[k]).abs().max()))
+
+
 def test_launcher_config_with_partition_tensors(tmp_path, without_selzero):
     """``partition: tensors`` in the launcher's YAML: each expert tensor whole on one rank;
     with AdamW the same training as plain Accelerate + DDP; save_state/load_state resume it

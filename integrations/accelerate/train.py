@@ -53,6 +53,9 @@ def main() -> None:
     p.add_argument("--mode", default="accumulate", choices=["accumulate", "manual", "no_sync"],
                    help="gradient accumulation: accelerator.accumulate, by hand without "
                         "no_sync (DDP reduces every micro-step), or the model's own no_sync")
+    p.add_argument("--prepare", default="together",
+                   choices=["together", "model-first", "optimizer-first"],
+                   help="one accelerator.prepare call, or the model and the optimizer apart")
     args = p.parse_args()
     torch.set_num_threads(1)
     acc = Accelerator(gradient_accumulation_steps=args.accumulate,
@@ -61,7 +64,14 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=ddp_train.LR,
                             weight_decay=ddp_train.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    model, opt, sched = acc.prepare(model, opt, sched)
+    if args.prepare == "together":
+        model, opt, sched = acc.prepare(model, opt, sched)
+    elif args.prepare == "model-first":
+        model = acc.prepare(model)
+        opt, sched = acc.prepare(opt, sched)
+    else:
+        opt, sched = acc.prepare(opt, sched)
+        model = acc.prepare(model)
     sz = getattr(acc, "selzero", None)  # set when launched with --selzero_config
     if acc.is_main_process:
         print(f"selzero: {len(sz.trainable_names)} parameters" if sz else "selzero: off",
