@@ -9,10 +9,11 @@ from .errors import (CheckpointError, CollectiveError, ConfigError, ContractErro
                      MissingGradientError, NonFiniteGradientError, OptimizerNotSupportedError,
                      SelectionError, SelZeroError, UsageError)
 from . import checkpoint  # noqa: E402,F401 - registers the engine's checkpoint reader/writer
-from . import amp as _amp, failed_backward as _failed_backward
+from . import amp as _amp, failed_backward as _failed_backward, torch_clip as _torch_clip
 
 _amp.install()  # torch.amp.GradScaler unscales and checks selzero's gradients too (amp.py)
 _failed_backward.install()  # a backward that raises completes its schedule (failed_backward.py)
+_torch_clip.install()  # torch.nn.utils.clip_grad_norm_/value_ see the subset (torch_clip.py)
 
 __version__ = "0.1.0"
 

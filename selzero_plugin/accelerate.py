@@ -412,6 +412,19 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
             accelerator.selzero_step_result = sz.step()
         return out
 
+    orig_zero_grad = optimizer.zero_grad
+
+    @functools.wraps(orig_zero_grad)
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        # what the host's zero_grad drops (Accelerate's zeroes at sync steps only), selzero's
+        # window drops too: a batch skipped after backward (a loss-spike guard) is not folded
+        # into the next step. At every sync step, so that every rank makes the same call
+        # (sz.zero_grad is a small collective; after step() the window is empty already)
+        out = orig_zero_grad(*args, **kwargs)
+        if accelerator.sync_gradients:
+            sz.zero_grad()
+        return out
+
     orig_save, orig_load = accelerator.save_state, accelerator.load_state
 
     @functools.wraps(orig_save)
@@ -431,6 +444,7 @@ def _install(accelerator: Any, sz: SelectedZero2, model: Any, optimizer: Any) ->
     accelerator.backward = backward
     accelerator.clip_grad_norm_ = clip
     replace_method(optimizer, "step", step)
+    replace_method(optimizer, "zero_grad", zero_grad)
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     accelerator.selzero = sz

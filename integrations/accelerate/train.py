@@ -36,6 +36,15 @@ def make_batch(seed: int, step: int, rank: int):
     return x, y, routes
 
 
+def clip(acc, model, args) -> None:
+    if args.clip_with == "torch":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    elif args.clip_with == "value":
+        acc.clip_grad_value_(model.parameters(), args.clip / 50)
+    else:
+        acc.clip_grad_norm_(model.parameters(), args.clip)
+
+
 def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -56,6 +65,13 @@ def main() -> None:
     p.add_argument("--prepare", default="together",
                    choices=["together", "model-first", "optimizer-first"],
                    help="one accelerator.prepare call, or the model and the optimizer apart")
+    p.add_argument("--clip-with", default="accelerator",
+                   choices=["accelerator", "torch", "value"],
+                   help="accelerator.clip_grad_norm_, torch.nn.utils.clip_grad_norm_ or "
+                        "accelerator.clip_grad_value_ (by --clip)")
+    p.add_argument("--skip-step", type=int, default=None,
+                   help="drop this optimizer step's batch after backward and clipping "
+                        "(optimizer.zero_grad() without step(): a loss-spike guard)")
     args = p.parse_args()
     torch.set_num_threads(1)
     acc = Accelerator(gradient_accumulation_steps=args.accumulate,
@@ -87,7 +103,10 @@ def main() -> None:
                     loss = ddp_train.loss_fn(model, x, y, routes)
                     acc.backward(loss)
                     if acc.sync_gradients:
-                        acc.clip_grad_norm_(model.parameters(), args.clip)
+                        clip(acc, model, args)
+                    if acc.sync_gradients and step == args.skip_step:
+                        opt.zero_grad()  # this batch is dropped: no step
+                        continue
                     opt.step()
                     sched.step()
                     opt.zero_grad()
@@ -98,7 +117,7 @@ def main() -> None:
                 # accelerator.backward divides by gradient_accumulation_steps itself
                 acc.backward(ddp_train.loss_fn(model, x, y, routes))
             if last:
-                acc.clip_grad_norm_(model.parameters(), args.clip)
+                clip(acc, model, args)
                 opt.step()
                 sched.step()
                 opt.zero_grad()

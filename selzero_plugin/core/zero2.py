@@ -419,6 +419,13 @@ class SelectedZero2:
             return
         self.storage.grad_shard.mul_(coef)
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the reduced gradient shards to ``[-clip_value, clip_value]`` (elementwise, so
+        the same as clamping the full reduced gradient: ``torch.nn.utils.clip_grad_value_``)."""
+        self._require_reduced("clip_grad_value_()")
+        value = float(clip_value)
+        self.storage.grad_shard.clamp_(-value, value)
+
     def step(self, lr: float | None = None, weight: Any = None,
              active: bool | None = None) -> StepResult:
         """Reduce (unless done), update this rank's segments, all-gather the subset."""
