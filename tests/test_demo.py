@@ -11,7 +11,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc]
 
 
-def _run_demo(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def _run_demo(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "selzero_plugin.cli", "demo", *args],
                           capture_output=True, text=True, timeout=timeout)
 
