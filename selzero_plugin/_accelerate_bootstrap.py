@@ -24,6 +24,7 @@ def _patch() -> None:
 
     original = Accelerator.prepare
     done = {"flag": False}
+    inside = {"n": 0}  # Accelerator.prepare calls running (not routed)
 
     @functools.wraps(original)
     def prepare(self, *objects, **kwargs):
@@ -39,7 +40,11 @@ def _patch() -> None:
         if done["flag"] or getattr(self, "_selzero_preparing", False) \
                 or getattr(self, "selzero", None) is not None \
                 or not any(isinstance(o, nn.Module) for o in objects):
-            return original(self, *objects, **kwargs)
+            inside["n"] += 1  # its own prepare_model/prepare_optimizer calls are not routed
+            try:
+                return original(self, *objects, **kwargs)
+            finally:
+                inside["n"] -= 1
         sz_accelerate.refuse_trainer_without_callback()
         done["flag"] = True
         Accelerator.prepare = original  # selzero's prepare calls the real one
@@ -47,6 +52,30 @@ def _patch() -> None:
             return sz_accelerate.prepare(self, *objects, **kwargs)
         finally:
             Accelerator.prepare = prepare
+
+    # Accelerate's documented one-object calls: routed like prepare(model) / prepare(optimizer)
+    # when the script calls them (not when Accelerate's own prepare does)
+    original_model, original_optimizer = Accelerator.prepare_model, Accelerator.prepare_optimizer
+
+    def routed(self) -> bool:
+        return not inside["n"] and not getattr(self, "_selzero_preparing", False)
+
+    @functools.wraps(original_model)
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if evaluation_mode or not routed(self) or done["flag"] \
+                or getattr(self, "selzero", None) is not None:
+            return original_model(self, model, device_placement=device_placement,
+                                  evaluation_mode=evaluation_mode)
+        return Accelerator.prepare(self, model, device_placement=[device_placement])
+
+    @functools.wraps(original_optimizer)
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        if routed(self) and getattr(self, "_selzero_pending", None) is not None:
+            return Accelerator.prepare(self, optimizer, device_placement=[device_placement])
+        return original_optimizer(self, optimizer, device_placement=device_placement)
+
+    Accelerator.prepare_model = prepare_model
+    Accelerator.prepare_optimizer = prepare_optimizer
 
     Accelerator.prepare = prepare
 

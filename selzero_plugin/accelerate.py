@@ -155,8 +155,13 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
         import selzero_plugin.deepspeed  # noqa: F401 - the registration does the work
 
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        _refuse_conflicting_block(ds.get("selected_zero2"), cfg)
-        ds.setdefault("selected_zero2", cfg.to_dict())
+        block = ds.get("selected_zero2")
+        _refuse_conflicting_block(block, cfg)
+        # the file's block agrees with the config where it says anything: the config's fields
+        # (also those the block leaves out: review finding, they fell back to defaults), plus
+        # the block's "group" (expert parallelism), which a SelZeroConfig has no field for
+        group = {"group": block["group"]} if isinstance(block, dict) and "group" in block else {}
+        ds["selected_zero2"] = {**cfg.to_dict(), **group}
         out = accelerator.prepare(*objects, **prepare_kwargs)
         return out
     fsdp = kind == DistributedType.FSDP

@@ -778,12 +778,14 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
         # do (its FP32 masters are rebuilt from the module's weights): any world size
         module_only = bool(options.get("load_module_only", False)) or \
             not options.get("load_optimizer_states", True)
-        if module_only:
+        if module_only and sz.spans_world:
             load_path, client_state = orig_load(load_dir, tag, **options)
             if load_path is not None:
                 sz.sync_from_params()  # the module's weights, fresh subset state
                 sz.optimizer.state.clear()
             return load_path, client_state
+        # expert parallelism: DeepSpeed's module file holds data-parallel rank 0's experts
+        # only, so each rank's experts come from selzero's folder, also for module-only loads
         fresh = False
         # every rank must see the same thing (node-local disks, a stale NFS view): agreed
         present = folder is not None and host_checkpoint.has_folder(folder)
@@ -816,6 +818,8 @@ def _install_checkpoint(engine: Any, plumbing: _Plumbing) -> None:
             sz.optimizer.state.clear()
         else:
             host_checkpoint.load_from(folder, [sz])  # FP32 values (masters) and state
+            if module_only:
+                sz.optimizer.state.clear()  # like DeepSpeed's: weights only, fresh state
         return load_path, client_state
 
     engine.save_checkpoint = save_checkpoint
@@ -860,12 +864,15 @@ def _embed_for_zero_to_fp32(engine: Any, sz: SelectedZero2, save_dir: str, tag: 
             for name in (e.name, *getattr(e, "aliases", ())):
                 values.setdefault(name, e.param.detach().float().cpu().clone())
     state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get(FROZEN_PARAM_FRAGMENTS) is None:  # ZeRO-1: DeepSpeed's own frozen ones too
-        # (its load then copies every parameter it does not optimize from this dict)
-        state[FROZEN_PARAM_SHAPES] = engine._get_zero_frozen_param_attributes(
-            engine._get_param_shape_func)
-        state[FROZEN_PARAM_FRAGMENTS] = engine._get_zero_frozen_param_attributes(
-            engine._get_param_fragment_func)
+    if state.get(FROZEN_PARAM_FRAGMENTS) is None:
+        # ZeRO-1 writes no such table. Once there is one, DeepSpeed's load copies every
+        # parameter it does not optimize *at load time* from it (a parameter frozen since the
+        # save included: review finding, a KeyError), so it holds every module parameter: the
+        # module's values, which zero_to_fp32 then replaces by DeepSpeed's FP32 ones where it
+        # has them. Cost: the host's parameters once more in this file.
+        state[FROZEN_PARAM_SHAPES] = {name: p.shape for p, name in engine.param_names.items()}
+        state[FROZEN_PARAM_FRAGMENTS] = {name: p.detach().cpu()
+                                         for p, name in engine.param_names.items()}
     shapes = dict(state.get(FROZEN_PARAM_SHAPES) or {})
     fragments = dict(state.get(FROZEN_PARAM_FRAGMENTS) or {})
     for name, value in values.items():

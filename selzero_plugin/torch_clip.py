@@ -47,6 +47,20 @@ def _split(parameters: Any, what: str) -> tuple[list[torch.Tensor], list[Selecte
         else:
             given.setdefault(id(sz), (sz, set()))[1].add(id(p))
     for sz, ids in given.values():
+        if not sz.spans_world:  # (expert groups, a stage's group): ranks without an instance
+            # would run torch's local function while these run a world collective
+            raise UsageError(
+                f"torch.nn.utils.{what} over parameters of selzero instance "
+                f"{sz.config.name!r}, whose group is not the whole world: ranks without such an "
+                "instance would clip locally while this one waits for them. Call "
+                "selzero_plugin.clip_grad_norm_(host_parameters, max_norm, subsets=[...]) on "
+                "every rank (a rank without instances passes subsets=[]).")
+        if not sz.window.sync:
+            raise UsageError(
+                f"torch.nn.utils.{what} inside no_sync() (a micro-step that accumulates "
+                "locally, e.g. accelerator.accumulate before its sync step): selzero's gradients "
+                "are reduced only at the sync step. Clip there (`if "
+                "accelerator.sync_gradients:`).")
         trainable = {id(e.param) for e in sz.trainable}
         if not trainable <= ids:
             raise UsageError(

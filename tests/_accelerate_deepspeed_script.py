@@ -30,6 +30,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=train.LR, weight_decay=train.WEIGHT_DECAY)
     model, opt = acc.prepare(model, opt)
     assert hasattr(model, "selzero"), type(model)
+    print(f"selzero config bucket_mb={model.selzero.config.bucket_mb} "
+          f"name={model.selzero.config.name}", flush=True)
     # Accelerate 1.15 on CPU reports num_processes=1 under DeepSpeed although the process group
     # spans both ranks: take the rank from torch.distributed
     rank = dist.get_rank()

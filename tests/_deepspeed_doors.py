@@ -179,3 +179,43 @@ def load_module_only(rank: int, world: int, save_dir: str, options: dict[str, An
                 if ".experts." in n)
     return {"loaded": loaded, "moved": moved,
             "state": len(engine.selzero.optimizer.state)}
+
+
+def ep_module_only(rank: int, world: int, save_dir: str, options: dict[str, Any]
+                   ) -> dict[str, float]:
+    """Expert parallelism (each rank its own experts): a module-only load must give each rank
+    back its own experts (DeepSpeed's module file holds data-parallel rank 0's only)."""
+    from . import _deepspeed_ep as ep
+
+    saved = ep.ep_run(rank, world, 2, save_dir=save_dir)
+    import deepspeed
+    import torch.distributed as dist
+
+    model = ep.EPModel(rank % ep.EP, dist.new_group([0, 1]))
+    config = {"train_micro_batch_size_per_gpu": ep.T, "gradient_accumulation_steps": ep.GAS,
+              "gradient_clipping": ep.CLIP, "zero_optimization": {"stage": 2},
+              "steps_per_print": 10 ** 9,
+              "optimizer": {"type": "AdamW", "params": {"lr": ep.LR, "weight_decay": ep.WD,
+                                                        "torch_adam": True}},
+              "selected_zero2": {"params": ["block.experts.*"], "bucket_mb": 1e-4,
+                                 "group": {"expert_parallel_size": ep.EP}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.load_checkpoint(save_dir, tag="ep", **options)
+    return {n: float((p.detach() - saved["params"][n]).abs().max())
+            for n, p in engine.module.named_parameters()}
+
+
+def zero1_newly_frozen(rank: int, world: int, save_dir: str) -> dict[str, Any]:
+    """ZeRO-1: saved with every parameter trainable, loaded module-only into a run that froze
+    a dense parameter (a fine-tuning phase), as stock DeepSpeed loads it."""
+    deepspeed = _setup(rank, world)
+    config = ds_config(1, False)
+    engine, *_ = deepspeed.initialize(model=build_model(), config=config)
+    _loop(engine, rank, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    model = build_model(seed=5)
+    model.inp.weight.requires_grad_(False)
+    again, *_ = deepspeed.initialize(model=model, config=config)
+    again.load_checkpoint(save_dir, tag="t", load_module_only=True)
+    return {"diff": max(float((p.detach() - q.detach()).abs().max()) for p, q in
+                        zip(again.module.parameters(), engine.module.parameters()))}

@@ -67,10 +67,11 @@ def test_launcher_matches_the_script_without_selzero(tmp_path, without_selzero, 
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, float((a[k] - b[k]).abs().max()))
 
 
-@pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first", "methods"])
 def test_model_and_optimizer_prepared_apart(tmp_path, without_selzero, order):
     """Scripts that prepare the model and the optimizer in separate calls, in either order
-    (issue 21 item 11; before: "expected one model and one optimizer")."""
+    (issue 21 item 11; before: "expected one model and one optimizer"), or with Accelerate's
+    prepare_model / prepare_optimizer (review: selzero was silently bypassed)."""
     out = _launch(tmp_path, "--out", "with.safetensors", "--prepare", order)
     assert "selzero: 16 parameters" in out, out
     a, b = _weights(tmp_path / "with.safetensors"), without_selzero

@@ -63,8 +63,9 @@ def main() -> None:
                    help="gradient accumulation: accelerator.accumulate, by hand without "
                         "no_sync (DDP reduces every micro-step), or the model's own no_sync")
     p.add_argument("--prepare", default="together",
-                   choices=["together", "model-first", "optimizer-first"],
-                   help="one accelerator.prepare call, or the model and the optimizer apart")
+                   choices=["together", "model-first", "optimizer-first", "methods"],
+                   help="one accelerator.prepare call, the model and the optimizer apart, or "
+                        "accelerator.prepare_model / prepare_optimizer / prepare_scheduler")
     p.add_argument("--clip-with", default="accelerator",
                    choices=["accelerator", "torch", "value"],
                    help="accelerator.clip_grad_norm_, torch.nn.utils.clip_grad_norm_ or "
@@ -85,9 +86,13 @@ def main() -> None:
     elif args.prepare == "model-first":
         model = acc.prepare(model)
         opt, sched = acc.prepare(opt, sched)
-    else:
+    elif args.prepare == "optimizer-first":
         opt, sched = acc.prepare(opt, sched)
         model = acc.prepare(model)
+    else:
+        model = acc.prepare_model(model)
+        opt = acc.prepare_optimizer(opt)
+        sched = acc.prepare_scheduler(sched)
     sz = getattr(acc, "selzero", None)  # set when launched with --selzero_config
     if acc.is_main_process:
         print(f"selzero: {len(sz.trainable_names)} parameters" if sz else "selzero: off",
