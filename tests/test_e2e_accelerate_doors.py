@@ -59,40 +59,37 @@ def test_another_tools_selzero_variable_only_warns(tmp_path):
     assert "SELZERO_CLUSTER" in proc.stderr and "ignored" in proc.stderr
 
 
-def test_a_deepspeed_file_block_that_agrees_takes_the_configs_other_fields(tmp_path):
-    """Review: the file's block silently dropped every field --selzero_config set and the
-    block left out (they fell back to the defaults)."""
+def _deepspeed_launch(tmp_path: Path, block: dict, config_text: str
+                      ) -> tuple[subprocess.CompletedProcess, Path]:
+    """`--use_deepspeed` with a DeepSpeed file holding ``block`` and --selzero_config."""
     ds = {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-          "steps_per_print": 10 ** 9, "selected_zero2": {"params": ["*.experts.*"]}}
+          "steps_per_print": 10 ** 9, "selected_zero2": block}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     config = tmp_path / "c.yaml"
-    config.write_text('params: ["*.experts.*"]\nbucket_mb: 4\nname: moe\n')
+    config.write_text(config_text)
     env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
     proc = _launch(["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json"),
                     "--num_processes", "2", "--main_process_port", str(_free_port()),
                     "--selzero_config", str(config),
                     str(ROOT / "tests" / "_accelerate_deepspeed_script.py"),
                     str(tmp_path / "w.safetensors"), "1", "0"], env=env, cwd=tmp_path)
+    return proc, config
+
+
+def test_a_deepspeed_file_block_that_agrees_takes_the_configs_other_fields(tmp_path):
+    """Review: the file's block silently dropped every field --selzero_config set and the
+    block left out (they fell back to the defaults)."""
+    proc, _ = _deepspeed_launch(tmp_path, {"params": ["*.experts.*"]},
+                                'params: ["*.experts.*"]\nbucket_mb: 4\nname: moe\n')
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "selzero config bucket_mb=4 name=moe" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_deepspeed_file_with_a_different_block_is_refused(tmp_path):
     """Before: the DeepSpeed file's block silently won over --selzero_config."""
-    ds = {"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1,
-          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-          "steps_per_print": 10 ** 9,
-          "selected_zero2": {"params": ["*.experts.*"], "bucket_mb": 1}}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    config = tmp_path / "c.yaml"
-    config.write_text('params: ["*.experts.*"]\nbucket_mb: 4\n')
-    env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
-    proc = _launch(["--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json"),
-                    "--num_processes", "2", "--main_process_port", str(_free_port()),
-                    "--selzero_config", str(config),
-                    str(ROOT / "tests" / "_accelerate_deepspeed_script.py"),
-                    str(tmp_path / "w.safetensors"), "1", "0"], env=env, cwd=tmp_path)
+    proc, config = _deepspeed_launch(tmp_path, {"params": ["*.experts.*"], "bucket_mb": 1},
+                                     'params: ["*.experts.*"]\nbucket_mb: 4\n')
     assert proc.returncode != 0
     assert "differs from the selzero config" in proc.stderr, proc.stderr[-3000:]
     assert "bucket_mb" in proc.stderr and str(config) in proc.stderr
