@@ -410,7 +410,9 @@ def worker(steps: int, out: str, *, temporary: bool = False, host: str = "ddp") 
             raise RuntimeError(f"[rank {rank}/{world}] selzero demo failed: "
                                + ("; ".join(failures) or "another rank failed"))
     finally:
-        dist.destroy_process_group()
+        from .process_exit import leave_now
+
+        leave_now()  # instead of destroy_process_group(): see [Note: gloo teardown]
 
 
 def _replicas_agree(model) -> bool:

@@ -6,6 +6,14 @@ destructors at interpreter exit ("terminate called without an active exception")
 in 1 of 24 runs of a plain 2-rank DDP script with no selzero in it, 0 of 30 when the process
 ended with ``os._exit``. selzero's own programs (the demo worker, the integration scripts) end
 through ``exit_after`` so their exit code is the program's verdict, not the teardown's.
+
+``destroy_process_group()`` itself can hang on gloo: the main thread, holding the GIL, destroys a
+process group (or DDP's reducer, which holds one) and joins its worker threads while one of them
+waits for the GIL to release a finished work's tensors. Seen here three times in one day under
+load, twice in scripts with no SelectedZero2 at all (stock Accelerate + DDP), once in the demo:
+the process stays alive forever after its last collective. So those programs end with
+``leave_now()`` right after their last (tiny) collective, while their models are still alive:
+nothing is destroyed in-process, ``os._exit`` ends it.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import sys
 import traceback
 from typing import Callable
 
-__all__ = ["exit_after"]
+__all__ = ["exit_after", "leave_now"]
 
 
 def exit_after(main: Callable[[], int | None]) -> None:
@@ -29,6 +37,23 @@ def exit_after(main: Callable[[], int | None]) -> None:
     except BaseException:  # noqa: BLE001 - reported, then the exit code says it failed
         traceback.print_exc()
         code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_now() -> None:
+    """End the process now, from the end of a program or a ``finally:`` after its last
+    collective: exit code 1 (with the traceback) when an exception is on its way up, else 0.
+    Nothing is torn down in-process (see [Note: gloo teardown])."""
+    kind, value, tb = sys.exc_info()
+    code = 0
+    if kind is not None:
+        if issubclass(kind, SystemExit):
+            code = value.code if isinstance(value.code, int) else (0 if value.code is None else 1)
+        else:
+            traceback.print_exception(kind, value, tb)
+            code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

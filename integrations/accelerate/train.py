@@ -136,7 +136,9 @@ def main() -> None:
     if dist.is_initialized():
         done = torch.zeros(1)
         dist.all_reduce(done)
-        dist.destroy_process_group()
+    from selzero_plugin.process_exit import leave_now
+
+    leave_now()  # not destroy_process_group(): it can hang on gloo ([Note: gloo teardown])
 
 
 if __name__ == "__main__":

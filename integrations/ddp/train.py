@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         done = torch.zeros(1)
         dist.all_reduce(done)  # a tiny last collective, safer than a gloo barrier at exit
     finally:
-        dist.destroy_process_group()
-    return 0
+        from selzero_plugin.process_exit import leave_now
+
+        leave_now()  # not destroy_process_group(): it can hang on gloo ([Note: gloo teardown])
 
 
 if __name__ == "__main__":

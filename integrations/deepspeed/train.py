@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         done = torch.zeros(1)
         dist.all_reduce(done)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        from selzero_plugin.process_exit import leave_now
+
+        leave_now()  # not destroy_process_group(): it can hang on gloo ([Note: gloo teardown])
 
 
 if __name__ == "__main__":

@@ -168,11 +168,13 @@ def main() -> None:
 
 
 def finish() -> None:
-    """End the process group (a tiny all-reduce instead of a gloo barrier, then destroy)."""
+    """End the process: a tiny last all-reduce (not a gloo barrier), then ``leave_now``."""
     if dist.is_initialized():
         done = torch.zeros(1)
         dist.all_reduce(done)
-        dist.destroy_process_group()
+    from selzero_plugin.process_exit import leave_now
+
+    leave_now()  # not destroy_process_group(): it can hang on gloo ([Note: gloo teardown])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""Exit codes under stress: the README's plain-DDP example under ``torchrun --nproc-per-node 2``,
+``--parallel`` launches at a time for ``--rounds`` rounds; counts the launches that did not exit
+0 and those that printed gloo's ``terminate called without an active exception`` (SIGABRT at
+interpreter shutdown, issue 20 item 1). A launch that fails to start (a port already taken) is
+counted apart.
+
+    .venv/bin/python benchmarks/exit_stress.py --rounds 30 --parallel 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> int:
+    from tests.test_exit_codes import _readme_example
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--parallel", type=int, default=4)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="selzero-exit-"))
+    script = work / "readme_example.py"
+    script.write_text(_readme_example())
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    total = bad = aborts = unstarted = 0
+    for _ in range(args.rounds):
+        procs = [subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port",
+                                   str(_free_port()), str(script)], cwd=work, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(args.parallel)]
+        for proc in procs:
+            out, _ = proc.communicate(timeout=600)
+            total += 1
+            if "EADDRINUSE" in out:
+                unstarted += 1
+                continue
+            bad += proc.returncode != 0
+            aborts += "terminate called" in out
+    started = total - unstarted
+    print(f"launches {total} (started {started}): not exit 0 {bad}, aborted {aborts}; "
+          f"ratio {bad / max(started, 1):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
