@@ -52,6 +52,12 @@ def _poison(model: BlockMoE) -> Any:
         lambda g: g * math.inf)
 
 
+def _outcome(model: BlockMoE, scales: list[float], results: list[Any]) -> dict[str, Any]:
+    return {"state": model_state(model), "scales": scales,
+            "skipped": [r.skipped_nonfinite for r in results],
+            "updated": [r.updated for r in results]}
+
+
 def run(rank: int, world: int, opt_name: str, explicit_unscale: bool) -> dict[str, Any]:
     model = _build()
     cls, kwargs = OPTS[opt_name]
@@ -73,9 +79,7 @@ def run(rank: int, world: int, opt_name: str, explicit_unscale: bool) -> dict[st
         scales.append(scaler.get_scale())
         if hook is not None:
             hook.remove()
-    return {"state": model_state(model), "scales": scales,
-            "skipped": [r.skipped_nonfinite for r in results],
-            "updated": [r.updated for r in results]}
+    return _outcome(model, scales, results)
 
 
 def step_before_scaler(rank: int, world: int) -> dict[str, Any]:
@@ -118,9 +122,7 @@ def two_optimizers(rank: int, world: int) -> dict[str, Any]:
         scales.append(scaler.get_scale())
         if hook is not None:
             hook.remove()
-    return {"state": model_state(model), "scales": scales,
-            "skipped": [r.skipped_nonfinite for r in results],
-            "updated": [r.updated for r in results]}
+    return _outcome(model, scales, results)
 
 
 def two_optimizers_reference() -> dict[str, Any]:
