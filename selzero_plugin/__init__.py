@@ -14,6 +14,9 @@ from . import amp as _amp, failed_backward as _failed_backward, torch_clip as _t
 _amp.install()  # torch.amp.GradScaler unscales and checks selzero's gradients too (amp.py)
 _failed_backward.install()  # a backward that raises completes its schedule (failed_backward.py)
 _torch_clip.install()  # torch.nn.utils.clip_grad_norm_/value_ see the subset (torch_clip.py)
+from . import log as _log  # noqa: E402
+
+_log.install()  # the `selzero_plugin` logger, SELZERO_LOG_LEVEL; the per-instance INFO line
 
 __version__ = "0.1.0"
 

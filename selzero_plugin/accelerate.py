@@ -477,19 +477,38 @@ def _latest_state(accelerator: Any) -> str:
 BOOTSTRAP = Path(__file__).with_name("_accelerate_bootstrap.py")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``selzero-accelerate launch [accelerate launch flags] --selzero_config FILE script ...``"""
-    from accelerate.commands.launch import launch_command, launch_command_parser
+def _launch_parser() -> Any:
+    """Accelerate's own ``launch`` parser with ``--selzero_config`` added."""
+    from accelerate.commands.launch import launch_command_parser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "launch":
-        print("usage: selzero-accelerate launch --selzero_config FILE [accelerate launch flags] "
-              "script.py [script args]", file=sys.stderr)
-        return 2
     parser = launch_command_parser()
     parser.prog = "selzero-accelerate launch"
+    parser.description = ("Accelerate's `accelerate launch`, with one more flag: --selzero_config "
+                          "FILE gives the parameters it selects to selzero (ZeRO-2 for a chosen "
+                          "subset); the training script needs no change.")
     parser.add_argument("--selzero_config", default=None,
                         help="selzero YAML/JSON config: ZeRO-2 for the parameters it selects")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``selzero-accelerate launch [accelerate launch flags] --selzero_config FILE script ...``"""
+    from accelerate.commands.launch import launch_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        _launch_parser().print_help()
+        return 0
+    if argv[:1] == ["--version"]:
+        from . import __version__
+
+        print(f"selzero-accelerate (selzero {__version__})")
+        return 0
+    if not argv or argv[0] != "launch":
+        print("usage: selzero-accelerate launch --selzero_config FILE [accelerate launch flags] "
+              "script.py [script args]\n(selzero-accelerate --help: every flag)", file=sys.stderr)
+        return 2
+    parser = _launch_parser()
     args = parser.parse_args(argv[1:])
     if args.selzero_config is not None:
         path = os.path.abspath(args.selzero_config)

@@ -14,6 +14,9 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selzero", description="ZeRO-2 for a chosen subset of a model's parameters.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"selzero {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small MoE on 2 local gloo processes and report")
@@ -29,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(e.g. --ep 2 --nproc 4), beside a one-process reference")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint folder; --verify checks it")
-    inspect.add_argument("folder", help="an instance folder (manifest.json), or the selzero "
-                                        "folder (index.json) or the checkpoint holding it")
+    inspect.add_argument("folder", help="an instance folder (manifest.json), the selzero "
+                                        "folder (index.json), the checkpoint holding it, or a "
+                                        "folder holding one of these below it")
     inspect.add_argument("--verify", action="store_true",
                          help="check every shard's presence, size, sha256 and tensors "
                               "(exit code 1 on any problem)")
@@ -44,13 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     reshard.add_argument("--ep-size", type=int, default=None,
                          help="expert-parallel size of the new job (default: as saved); needs "
                               "the selzero folder")
-    reshard.add_argument("--out", required=True, help="the folder to write (created)")
+    reshard.add_argument("--out", required=True, help="the folder to write (a new one)")
+    reshard.add_argument("--force", action="store_true",
+                         help="replace --out if it holds a selzero checkpoint already")
 
     plan = sub.add_parser("plan", help="predicted per-rank bytes for a selection, before a run")
     plan.add_argument("model", help="`package.module:factory` (built on the meta device) or a "
                                     "transformers config .json (\"model_type\" set)")
-    plan.add_argument("--params", action="append", required=True, metavar="GLOB",
-                      help="parameter-name glob to select (repeat for several)")
+    plan.add_argument("--params", action="append", default=[], metavar="GLOB",
+                      help="parameter-name glob to select (repeat for several; --params, "
+                           "--modules or both)")
     plan.add_argument("--modules", action="append", default=[], metavar="CLASS",
                       help="module class whose parameters to select (repeat for several)")
     plan.add_argument("--world-size", type=int, required=True, help="ranks of selzero's group")
@@ -70,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate", help="full per-parameter FP32 values and optimizer state in one file")
     consolidate.add_argument("folder", help="the checkpoint folder to read")
     consolidate.add_argument("--out", required=True, help="the .safetensors file to write")
-    consolidate.add_argument("--torch-state-dict", default=None, metavar="OUT.pt",
+    consolidate.add_argument("--torch-state-dict", default=None, metavar="OUT",
+                             help="also write the selected parameters in the model's own names "
+                                  "and shapes (fused experts stacked), for "
+                                  "model.load_state_dict(sd, strict=False): OUT.safetensors, or "
+                                  "a torch.save file (pickle) for any other suffix")
+    consolidate.add_argument("--torch-optim-state", default=None, metavar="OUT.pt",
                              help="also write a torch.optim state dict (pickle; parameter indices "
                                   "follow selected_names)")
     return parser
@@ -87,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import SelZeroError
         from .plan import run_plan
 
+        if not args.params and not args.modules:
+            print("selzero plan: error: name what to select: --params GLOB (e.g. "
+                  "'*.experts.*') and/or --modules CLASS (e.g. Qwen3MoeExperts).",
+                  file=sys.stderr)
+            return 2
         try:
             return run_plan(args.model, params=args.params, world_size=args.world_size,
                             dtype=args.dtype, optimizer=args.optimizer,
@@ -102,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             return tools.run_inspect(args.folder, verify_shards=args.verify)
         if args.command == "reshard":
             return tools.run_reshard(args.folder, world_size=args.world_size, out=args.out,
-                                     ep_size=args.ep_size)
+                                     ep_size=args.ep_size, force=args.force)
         return tools.run_consolidate(args.folder, out=args.out,
-                                     torch_state_dict=args.torch_state_dict)
+                                     torch_state_dict=args.torch_state_dict,
+                                     torch_optim_state=args.torch_optim_state)
     raise AssertionError(f"unhandled command {args.command}")
 
 

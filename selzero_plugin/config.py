@@ -29,6 +29,7 @@ NONFINITE = ("error", "skip")
 PARTITIONS = ("chunks", "tensors")
 ENV_PREFIX = "SELZERO_"
 ENV_CONFIG_FILE = "SELZERO_CONFIG"
+ENV_LOG_LEVEL = "SELZERO_LOG_LEVEL"  # selzero_plugin/log.py, not a field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +142,7 @@ class SelZeroConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         env_names = [ENV_PREFIX + n.upper() for n in fields] + [ENV_CONFIG_FILE]
         for var, raw in env.items():
-            if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+            if not var.startswith(ENV_PREFIX) or var in (ENV_CONFIG_FILE, ENV_LOG_LEVEL):
                 continue
             name = var[len(ENV_PREFIX):].lower()
             if name not in fields:  # another tool's variable, or a typo: say so, go on

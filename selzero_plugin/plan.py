@@ -29,6 +29,7 @@ the model).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
@@ -49,7 +50,8 @@ from .core.zero2 import plan_virtual_owners, probe_groups, virtual_costs
 from .core.selection import resolve_selection
 from .errors import ConfigError, SelectionError
 
-__all__ = ["RankPlan", "MemoryPlan", "plan_memory", "load_model", "run_plan"]
+__all__ = ["RankPlan", "MemoryPlan", "plan_memory", "rank_plans", "state_specs", "ddp_bytes",
+           "ddp_label", "load_model", "run_plan"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class MemoryPlan:
     ideal_total: int  # the subset's sharded bytes divided evenly (sum over ranks / N)
     partition: str = "chunks"
     balance: float = 1.0  # whole-tensor ownership: max / mean optimizer cost per rank
+    weights: int = 0  # per rank: every parameter's weights (replicated under DDP and selzero)
+    dense_ddp: int = 0  # per rank: the host's (other) trainable parameters under DDP
+    ddp_label: str = "DDP"  # what ddp_subset counts (mixed precision for bf16/fp16 weights)
 
 
 def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_size: int,
@@ -114,17 +119,9 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
                                     e.num_experts is not None) for e in trainable],
                          world_size, int(config.bucket_mb * 2 ** 20), owners=owners)
     specs = _state_specs(trainable, groups, cls, kwargs, owned=owners is not None)
-    ranks = []
-    for r in range(world_size):
-        slots = layout.shard_slots(r)
-        entry = [layout.virtuals[s.virtual].entry for s in slots]
-        numel = sum(s.numel for s in slots)
-        low = sum(s.numel for s, t in zip(slots, entry)
-                  if trainable[t].param.dtype != torch.float32)
-        state_bytes = sum(_slot_state_bytes(specs[t], s.numel) for s, t in zip(slots, entry))
-        ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
+    ranks = rank_plans(layout, trainable, specs)
     elements = sum(e.param.numel() for e in trainable)
-    ddp = sum(_ddp_bytes(e, specs[t]) for t, e in enumerate(trainable))
+    ddp = sum(ddp_bytes(e, specs[t]) for t, e in enumerate(trainable))
     figure = 1.0
     if owners is not None:
         figure = balance(virtual_costs(trainable, groups, cls), owners, world_size)
@@ -132,9 +129,26 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
     model_elements = sum(p.numel() for p in model_params)
     zero2 = sum(-(-p.numel() // world_size) * (4 + 8 + (4 if p.dtype != torch.float32 else 0))
                 for p in model_params)
+    selected = {id(e.param) for e in entries}
+    dense = [p for p in model_params if id(p) not in selected]
     return MemoryPlan(world_size, len(entries), len(layout.virtuals), elements, model_elements,
                       ranks, ddp, zero2, -(-sum(r.total for r in ranks) // world_size),
-                      config.partition, figure)
+                      config.partition, figure,
+                      weights=sum(p.numel() * p.element_size() for p in model.parameters()),
+                      dense_ddp=_dense_ddp_bytes(dense, cls, kwargs),
+                      ddp_label=ddp_label(trainable))
+
+
+def _dense_ddp_bytes(params: list[nn.Parameter], cls: type, kwargs: dict[str, Any]) -> int:
+    """The host's parameters under DDP, alike: FP32 gradient, state (the subset's class when it
+    is elementwise, else AdamW, the usual host), an FP32 master for bf16/fp16 weights."""
+    from .core.optim import ELEMENTWISE
+
+    host, host_kwargs = (cls, kwargs) if cls in ELEMENTWISE else (torch.optim.AdamW, {})
+    specs = probe_state_shaped(host, {}, host_kwargs, torch.device("cpu"), (1,)) if params \
+        else {}
+    return sum(4 * p.numel() + (4 * p.numel() if p.dtype != torch.float32 else 0)
+               + _slot_state_bytes(specs, p.numel()) for p in params)
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -166,6 +180,12 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"model {spec!r}: cannot import it ({type(e).__name__}: {e}).") \
                 from None
+        required = _required_arguments(factory)
+        if required:
+            raise ConfigError(
+                f"model {spec!r}: {attr}() needs argument(s) {required}, and selzero plan calls "
+                f"it with none. Name a factory that takes none, e.g. `def plan_model(): return "
+                f"{attr}(...)` in {module_name}, and pass {module_name}:plan_model.")
         with torch.device("meta"):
             model = factory()
         if not isinstance(model, nn.Module):
@@ -174,6 +194,16 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
     if dtype is not None:
         model = model.to(dtype)
     return model
+
+
+def _required_arguments(factory: Any) -> list[str]:
+    """The arguments a call with none would miss (a class: its ``__init__``'s)."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return []
+    return [n for n, p in sig.parameters.items() if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 _OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}),
@@ -225,10 +255,17 @@ def run_plan(model: str, *, params: list[str], world_size: int, dtype: str | Non
         print(f"  whole tensors per rank: optimizer-work balance (max/mean) {plan.balance:.3f}")
     top = max(r.total for r in plan.ranks)
     print(f"  per rank, the subset: selzero {_mib(top)} (largest rank; even split "
-          f"{_mib(plan.ideal_total)}) vs DDP {_mib(plan.ddp_subset)} "
+          f"{_mib(plan.ideal_total)}) vs {plan.ddp_label} {_mib(plan.ddp_subset)} "
           f"({plan.ddp_subset / max(top, 1):.2f}x selzero)")
+    host = plan.dense_ddp
+    mine = plan.weights + host + top
+    theirs = plan.weights + host + plan.ddp_subset
+    print(f"  per rank, in all: weights {_mib(plan.weights)} (every rank) + the host's other "
+          f"{plan.model_elements - plan.elements:,} trainable elements under DDP {_mib(host)} + "
+          f"selzero {_mib(top)} = {_mib(mine)}; {plan.ddp_label} over the whole model "
+          f"{_mib(theirs)} ({mine / max(theirs, 1):.2f}x)")
     print(f"  per rank, ZeRO-2 over the whole model (DeepSpeed: FP32 grads, masters, Adam): "
-          f"{_mib(plan.zero2_model)}")
+          f"{_mib(plan.zero2_model)} besides the weights")
     return 0
 
 
@@ -257,16 +294,47 @@ def _slot_state_bytes(specs: dict[str, Any], numel: int) -> int:
                for s in specs.values())
 
 
-def _ddp_bytes(entry: Any, specs: dict[str, Any]) -> int:
-    """The tensor under DDP on one rank, the same whatever the partition (review finding: it
-    changed with it): its gradient and the state of each of its (virtual) parameters in the
-    parameter's dtype, a scalar state once per tensor."""
-    size = entry.param.element_size()
-    per_virtual = entry.param.numel() // (entry.num_experts or 1)
+def rank_plans(layout: Any, trainable: list[Any], specs: list[dict[str, Any]]) -> list[RankPlan]:
+    """Every rank's bytes over its slots (the engine's layout, or one planned alike)."""
+    ranks = []
+    for r in range(layout.world_size):
+        slots = layout.shard_slots(r)
+        entry = [layout.virtuals[s.virtual].entry for s in slots]
+        numel = sum(s.numel for s in slots)
+        low = sum(s.numel for s, t in zip(slots, entry)
+                  if trainable[t].param.dtype != torch.float32)
+        state_bytes = sum(_slot_state_bytes(specs[t], s.numel) for s, t in zip(slots, entry))
+        ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
+    return ranks
+
+
+def state_specs(sz: Any) -> list[dict[str, Any]]:
+    """A built instance's optimizer state per trainable entry (its own groups and classes)."""
+    return _state_specs(sz.trainable, sz._plans, sz._opt_cls, sz._defaults,
+                        owned=sz.owners is not None)
+
+
+def ddp_bytes(entry: Any, specs: dict[str, Any]) -> int:
+    """The tensor under DDP on one rank, like for like with what selzero holds, the same
+    whatever the partition (review finding: it changed with it): its FP32 gradient, the state
+    of each of its (virtual) parameters as the optimizer keeps it (FP32: it steps the masters),
+    a scalar state once per tensor, and for a bf16/fp16 parameter an FP32 master (mixed-
+    precision DDP: FP32 gradients, masters and state; review finding: it counted a bf16
+    gradient and bf16 state, a baseline smaller than selzero's own per-rank bytes)."""
+    numel = entry.param.numel()
+    per_virtual = numel // (entry.num_experts or 1)
     state = sum((per_virtual if s.kind == ELEMENTWISE else math.prod(s.shape or ()))
-                for s in specs.values() if s.kind != SCALAR)
-    return entry.param.numel() * size + (entry.num_experts or 1) * state * size \
+                * s.dtype.itemsize for s in specs.values() if s.kind != SCALAR)
+    master = 4 * numel if entry.param.dtype != torch.float32 else 0
+    return 4 * numel + master + (entry.num_experts or 1) * state \
         + sum(s.dtype.itemsize for s in specs.values() if s.kind == SCALAR)
+
+
+def ddp_label(trainable: list[Any]) -> str:
+    low = sorted({str(e.param.dtype).replace("torch.", "") for e in trainable
+                  if e.param.dtype != torch.float32})
+    return f"mixed-precision DDP ({'/'.join(low)} weights; FP32 grads, masters, state)" if low \
+        else "DDP (FP32 grads and state)"
 
 
 def _non_matrices(model: nn.Module, config: SelZeroConfig) -> list[str]:

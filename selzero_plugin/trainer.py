@@ -77,6 +77,7 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
         self.trainer: Any = None
         self._resume: str | None = None
         self._figures = dict.fromkeys(LOG_KEYS, 0)
+        self._presence: dict[str, int] = {}  # per expert: most ranks that routed to it
         self._steps_since_log = 0
         self._saved_in: str | None = None  # the checkpoint folder selzero last wrote into
 
@@ -236,7 +237,12 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
             # the Trainer appends a copy of `logs` to log_history before on_log runs
             if "loss" in logs and callback._steps_since_log:
                 logs.update(callback._figures)
+                if callback._presence:  # experts no rank routed a token to since the last log
+                    logs["selzero/dead_experts"] = sum(
+                        1 for k in callback._presence.values() if k == 0)
+                    logs["selzero/experts"] = len(callback._presence)
                 callback._figures = dict.fromkeys(LOG_KEYS, 0)
+                callback._presence = {}
                 callback._steps_since_log = 0
             return original(logs, *args, **kwargs)
 
@@ -278,6 +284,9 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
             self._figures["selzero/updated"] += result.updated
             self._figures["selzero/skipped_absent"] += result.skipped_absent
             self._figures["selzero/skipped_nonfinite"] += result.skipped_nonfinite
+            seen = self._presence
+            for name, ranks in result.expert_presence.items():
+                seen[name] = max(seen.get(name, 0), ranks)
         self._steps_since_log += 1
         return control
 

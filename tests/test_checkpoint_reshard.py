@@ -1,6 +1,6 @@
 """Reshard 2 -> 3 and 3 -> 2 ranks: resuming on the new group size equals a single-process
 torch.optim reference resumed from the consolidated state (values from the consolidated file,
-optimizer state from its --torch-state-dict export), within 1e-6.
+optimizer state from its --torch-optim-state export), within 1e-6.
 
 The chain, three process launches in all:
   A (2 ranks) trains K steps and saves F2; F2 is resharded to F3 and consolidated to C2;
@@ -41,7 +41,7 @@ def reference(root: Path, consolidated: str, *, world: int,
     """One process, plain torch.optim.AdamW over the model, resumed from consolidated files."""
     full = root / f"{consolidated}.safetensors"
     optim = root / f"{consolidated}.pt"
-    tools.consolidate(root / consolidated, full, torch_state_dict=optim)
+    tools.consolidate(root / consolidated, full, torch_optim_state=optim)
     model = _ckpt.build("toy", seed=99)
     values = load_file(full)
     with torch.no_grad():

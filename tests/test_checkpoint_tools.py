@@ -176,7 +176,7 @@ def test_reshard_and_consolidate_commands(ckpt2, tmp_path):
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert read_manifest(tmp_path / "ckpt3").group_size == 3
     result = _cli("consolidate", str(tmp_path / "ckpt3"), "--out",
-                  str(tmp_path / "full.safetensors"), "--torch-state-dict",
+                  str(tmp_path / "full.safetensors"), "--torch-optim-state",
                   str(tmp_path / "optim.pt"))
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stdout
@@ -185,6 +185,75 @@ def test_reshard_and_consolidate_commands(ckpt2, tmp_path):
     result = _cli("reshard", str(tmp_path / "nowhere"), "--world-size", "3", "--out",
                   str(tmp_path / "x"))
     assert result.returncode == 1 and "no checkpoint at" in result.stderr
+
+
+def test_the_model_export_is_in_the_models_names_and_shapes(ckpt2, tmp_path):
+    """--torch-state-dict: model.load_state_dict(sd, strict=False) takes it: canonical and tied
+    names, fused experts stacked back into (E, ...), the parameter's dtype; frozen left out."""
+    m = synth.manifest(2)
+    for suffix in ("safetensors", "pt"):
+        out = tmp_path / f"model.{suffix}"
+        assert _cli("consolidate", str(ckpt2), "--out", str(tmp_path / "full.safetensors"),
+                    "--torch-state-dict", str(out)).returncode == 0
+        sd = load_file(out) if suffix == "safetensors" else torch.load(out, weights_only=True)
+        assert sorted(sd) == ["a.weight", "b.bias", "moe.w", "tied.weight"]
+        by_key = {v.key: v for v in m.virtuals}
+        assert torch.equal(sd["a.weight"], synth.full_tensor(by_key["a.weight"], "value")
+                           .view(5, 7))
+        assert torch.equal(sd["tied.weight"], sd["a.weight"])
+        assert sd["moe.w"].shape == (3, 4, 5)
+        for e in range(3):
+            assert torch.equal(sd["moe.w"][e].flatten(),  # the masters, in the weights' bf16
+                               synth.full_tensor(by_key[f"moe.w[expert {e}]"], "value")
+                               .to(torch.bfloat16))
+        assert sd["moe.w"].dtype == torch.bfloat16 and sd["a.weight"].dtype == torch.float32
+        model = torch.nn.Module()
+        model.a = torch.nn.Linear(7, 5, bias=False)
+        model.moe = torch.nn.Module()
+        model.moe.w = torch.nn.Parameter(torch.zeros(3, 4, 5, dtype=torch.bfloat16))
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in sd.items() if k in ("a.weight", "moe.w")}, strict=False)
+        assert not missing and not unexpected
+        assert torch.equal(model.moe.w.detach(), sd["moe.w"])
+
+
+def _two_levels_down(ckpt: Path, parent: Path, name: str) -> Path:
+    return Path(shutil.copytree(ckpt, parent / "run" / name))
+
+
+def test_a_parent_folder_holding_one_checkpoint_stands_for_it(ckpt2, tmp_path):
+    """`selzero demo --out DIR`, a Trainer output folder, a DeepSpeed save folder: the tools
+    find the one checkpoint below instead of calling the folder an incomplete save."""
+    parent = tmp_path / "out"
+    inner = _two_levels_down(ckpt2, parent, "selected_zero2")
+    result = _cli("inspect", str(parent))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"the checkpoint in {parent} is {inner}" in result.stderr
+    assert "group size 2 rank(s)" in result.stdout
+    assert _cli("reshard", str(parent), "--world-size", "3", "--out",
+                str(tmp_path / "r3")).returncode == 0
+    assert read_manifest(tmp_path / "r3").group_size == 3
+    assert _cli("consolidate", str(parent), "--out", str(tmp_path / "f.safetensors")
+                ).returncode == 0
+    _two_levels_down(ckpt2, parent, "second")
+    result = _cli("inspect", str(parent))
+    assert result.returncode == 1 and "holds 2 checkpoints; name the one you mean" in \
+        result.stderr and str(inner) in result.stderr
+
+
+def test_reshard_onto_an_existing_folder_needs_force(ckpt2, tmp_path):
+    out = tmp_path / "ckpt3"
+    assert _cli("reshard", str(ckpt2), "--world-size", "3", "--out", str(out)).returncode == 0
+    before = _files(out)
+    result = _cli("reshard", str(ckpt2), "--world-size", "4", "--out", str(out))
+    assert result.returncode == 1 and "pass --force to replace it" in result.stderr
+    assert _files(out) == before
+    result = _cli("reshard", str(ckpt2), "--world-size", "4", "--out", str(out), "--force")
+    assert result.returncode == 0, result.stderr
+    assert read_manifest(out).group_size == 4
+    result = _cli("reshard", str(ckpt2), "--world-size", "3", "--out", str(ckpt2), "--force")
+    assert result.returncode == 1 and "overlaps the checkpoint being read" in result.stderr
+    assert read_manifest(ckpt2).group_size == 2
 
 
 def test_progress_bar_only_on_a_terminal(monkeypatch):

@@ -74,6 +74,19 @@ def test_demo_under_deepspeed_prints_the_same_report():
     assert "bit-identical to its start" in out
     assert "replicas identical after training: yes" in out
     assert "AdamW state match exactly" in out
+    # training time apart from DeepSpeed's initialize (its one-off op build)
+    assert re.search(r"training time: [\d.]+ s \(DeepSpeed's initialize before it, one-off op "
+                     r"build included: [\d.]+ s\)", out), out
+
+
+def test_expert_parallelism_under_another_host_names_the_real_problem(capsys):
+    from selzero_plugin.demo import launch
+
+    assert launch(nproc=4, steps=6, out=None, host="trainer", ep=2) == 2
+    err = capsys.readouterr().err
+    assert "runs beside plain DDP only" in err and "selzero demo --ep 2 --nproc 4" in err
+    assert launch(nproc=3, steps=6, out=None, ep=2) == 2
+    assert "a divisor of --nproc 3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("host,label", [("accelerate", "DDP (through Accelerate)"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,18 +64,35 @@ def test_launch_modules_choose_the_outermost_matching_module():
     assert _units(ToyMoE(), ["experts.*"]) == {n: ROOT_NAME for n in _units(ToyMoE(), ["experts.*"])}
 
 
-def test_buckets_whose_unit_cannot_fire_are_logged_once_and_still_reduced(caplog):
+class _Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = ToyMoE(3)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return self.moe(x, route)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["root-unit", "inner-unit"])
+def test_buckets_whose_unit_cannot_fire_are_logged_once_and_still_reduced(caplog, wrapped):
+    """A unit fed raw data cannot fire: its buckets launch at the end of backward. For a unit
+    inside the model that holds gradients longer than needed (a warning); for the model itself
+    (a model that is one MoE block) its backward ends with the backward anyway (INFO only)."""
     torch.manual_seed(0)
-    model = ToyMoE(3)  # its experts' unit is the root, fed raw data: it cannot fire
-    sz = SelectedZero2(model, SelZeroConfig(params=["experts.*"], bucket_mb=1e-4),
+    model = _Wrapped() if wrapped else ToyMoE(3)
+    glob = "moe.experts.*" if wrapped else "experts.*"
+    sz = SelectedZero2(model, SelZeroConfig(params=[glob], bucket_mb=1e-4),
                        torch.optim.SGD, {"lr": 0.1})
     x = torch.randn(6, 7)
-    with caplog.at_level(logging.WARNING, logger="selzero_plugin"):
+    with caplog.at_level(logging.INFO, logger="selzero_plugin"):
         for _ in range(2):
             model(x, torch.arange(6) % 3).sum().backward()
             assert sz.step().updated > 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "selzero_plugin"]
-    assert len(lines) == 1 and "launch at the end of backward" in lines[0] and ROOT_NAME in lines[0]
+    lines = [r for r in caplog.records if r.name == "selzero_plugin"
+             and "launch at the end of backward" in r.getMessage()]
+    unit = "moe" if wrapped else ROOT_NAME
+    assert len(lines) == 1 and f"['{unit}']" in lines[0].getMessage()
+    assert lines[0].levelno == (logging.WARNING if wrapped else logging.INFO)
 
 
 def _unit_skipped_on_one_rank(rank: int, world: int) -> list[int]:

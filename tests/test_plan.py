@@ -103,7 +103,7 @@ def test_plan_command_on_a_transformers_config(tmp_path, capsys):
     assert cli(["plan", str(config), "--params", "*.mlp.experts.*", "--world-size", "4",
                 "--dtype", "bf16", "--expert-dim", "0"]) == 0
     out = capsys.readouterr().out
-    assert "4 tensor(s), 32 virtual parameter(s)" in out and "vs DDP" in out
+    assert "4 tensor(s), 32 virtual parameter(s)" in out and "vs mixed-precision DDP" in out
     assert cli(["plan", str(config), "--params", "nothing.*", "--world-size", "2"]) == 1
     assert "select no parameter of the model" in capsys.readouterr().err
 
@@ -115,7 +115,53 @@ def test_the_ddp_baseline_does_not_depend_on_the_partition():
     plans = [plan_memory(model, {**CONFIG, "partition": p}, 3, torch.optim.AdamW, {"lr": 1e-3})
              for p in ("chunks", "tensors")]
     assert plans[0].ddp_subset == plans[1].ddp_subset
-    # the fp32 experts: grad + 2 moments; the bf16 fused tensor: the same in bf16; 2 steps
+    # the fp32 experts: FP32 grad + 2 moments; the bf16 fused tensor like for like (mixed-
+    # precision DDP): FP32 grad, master and 2 moments; a step count per tensor
     fp32 = 3 * (7 * 5 + 5) * 4 * 3 + 3 * 2 * 4
-    bf16 = 4 * 5 * 7 * 2 * 3 + 4
+    bf16 = 4 * 5 * 7 * 4 * 4 + 4
     assert plans[0].ddp_subset == fp32 + bf16
+    assert "mixed-precision DDP" in plans[0].ddp_label and "bfloat16" in plans[0].ddp_label
+
+
+def test_the_ddp_baseline_is_never_below_selzero_at_world_one():
+    """Review finding: bf16 experts at world 1 read "DDP 144 KiB ... 0.75x selzero" beside
+    selzero's 192 KiB: DDP was counted with bf16 gradients and state and no masters."""
+    with torch.device("meta"):
+        model = Net().to(torch.bfloat16)
+    plan = plan_memory(model, CONFIG, 1, torch.optim.AdamW, {"lr": 1e-3})
+    # equal but for the step counts: selzero keeps one per expert of the fused tensor (4),
+    # DDP one per tensor
+    assert plan.ranks[0].total - plan.ddp_subset == 4 * (4 - 1)
+
+
+def test_the_per_rank_total_adds_weights_and_the_host_share(capsys):
+    with torch.device("meta"):
+        model = Net()
+    plan = plan_memory(model, CONFIG, 3, torch.optim.AdamW, {"lr": 1e-3})
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan.weights == weights
+    # the host keeps inp (7x7 + 7, fp32) under DDP: FP32 grad + 2 moments + a step count each
+    assert plan.dense_ddp == (7 * 7 + 7) * 12 + 2 * 4
+
+
+def _factories():
+    import types
+    import sys as _sys
+
+    mod = types.ModuleType("_plan_factories")
+    mod.net = Net
+    mod.needs = lambda width: Net()
+    _sys.modules["_plan_factories"] = mod
+
+
+def test_plan_command_messages(capsys):
+    _factories()
+    assert cli(["plan", "_plan_factories:net", "--modules", "Fused", "--world-size", "2"]) == 0
+    assert "selected: 1 tensor(s), 1 virtual parameter(s)" in capsys.readouterr().out
+    assert cli(["plan", "_plan_factories:net", "--world-size", "2"]) == 2
+    assert "--params GLOB" in capsys.readouterr().err
+    assert cli(["plan", "_plan_factories:needs", "--params", "experts.*", "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "needs argument(s) ['width']" in err and "Traceback" not in err
+    assert cli(["plan", "_plan_factories:net", "--params", "expert.*", "--world-size", "2"]) == 1
+    assert "Closest names: ['experts." in capsys.readouterr().err

@@ -209,7 +209,7 @@ def test_inspect_shows_the_partition_and_the_balance(chain):
 
 
 def test_the_torch_export_holds_what_torch_can_step_and_refuses_the_rest(chain):
-    """--torch-state-dict: a one-class checkpoint whose state torch keeps the same way loads
+    """--torch-optim-state: a one-class checkpoint whose state torch keeps the same way loads
     into torch and steps; several classes (Muon + AdamW), or per-expert state torch would keep
     otherwise for the whole fused tensor (Adafactor on 1-D experts), are refused, naming the
     consolidated file (review finding: the export was written and failed in torch)."""
@@ -217,7 +217,7 @@ def test_the_torch_export_holds_what_torch_can_step_and_refuses_the_rest(chain):
 
     root = chain["root"]
     toy = Path(chain["cases"][_index(chain, "Adafactor", "toy")]["folder"])
-    tools.consolidate(toy, root / "toy-ada.safetensors", torch_state_dict=root / "toy-ada.pt")
+    tools.consolidate(toy, root / "toy-ada.safetensors", torch_optim_state=root / "toy-ada.pt")
     state = torch.load(root / "toy-ada.pt", weights_only=True)
     model = _ckpt.build("toy", seed=0)
     params = list(model.parameters())
@@ -232,7 +232,7 @@ def test_the_torch_export_holds_what_torch_can_step_and_refuses_the_rest(chain):
         folder = Path(chain["cases"][_index(chain, opt_name, "fused")]["folder"])
         with pytest.raises(CheckpointError, match=match):
             tools.consolidate(folder, root / f"{opt_name}-x.safetensors",
-                              torch_state_dict=root / f"{opt_name}-x.pt")
+                              torch_optim_state=root / f"{opt_name}-x.pt")
         assert not (root / f"{opt_name}-x.pt").exists()
 
 

@@ -322,13 +322,18 @@ def _check_against_index(host_dir: Path, index: dict[str, Any],
         saved_ep = saved_family.get("ep_size") if saved_family else \
             next((d.get("ep_size") for d in saved.values() if d.get("family") == family), None)
         record = saved.get(sz.config.name)
+        where = (f", put the host's own files beside it (`rsync -a --exclude {FOLDER} "
+                 f"{host_dir}/ NEW/`) and resume from NEW (HF Trainer: "
+                 "resume_from_checkpoint=NEW; DeepSpeed: NEW is a tag folder inside the save "
+                 "folder, and DeepSpeed's own ZeRO files are DeepSpeed's to convert; Accelerate: "
+                 "accelerator.load_state(NEW)).")
         fix = (f"Run `selzero reshard {host_dir / FOLDER} --world-size {world}"
-               + (f" --ep-size {ep_size}" if ep_size else "") + " --out NEW/selected_zero2` and "
-               "load NEW.")
+               + (f" --ep-size {ep_size}" if ep_size else "") + " --out NEW/selected_zero2`"
+               + where)
         if ep_size is None and saved_ep is not None:
             fix = (f"Build SelectedZero2 with group=expert_data_parallel(1) (one expert-parallel "
                    f"rank holding every expert), run `selzero reshard {host_dir / FOLDER} "
-                   f"--world-size {world} --ep-size 1 --out NEW/selected_zero2` and load NEW.")
+                   f"--world-size {world} --ep-size 1 --out NEW/selected_zero2`" + where)
         if saved_ep != ep_size and (record is not None or saved_family is not None):
             raise CheckpointError(
                 f"{host_dir / FOLDER}: {family!r} was saved with expert-parallel size "

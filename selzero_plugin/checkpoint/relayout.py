@@ -56,15 +56,20 @@ def _positive(value: Any, flag: str) -> int:
     return value
 
 
-def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path) -> Path:
+def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path, *,
+                 force: bool = False) -> Path:
     """Rewrite the selzero folder ``root`` for ``world_size`` ranks and expert-parallel size
     ``ep_size`` (None: as saved) into ``out`` ([Note: relayout])."""
     world_size = _positive(world_size, "--world-size")
     if ep_size is not None:
         ep_size = _positive(ep_size, "--ep-size")
     index = read_index(root, root=True)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out}: exists and is not empty; choose a new folder.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and \
+            not (force and (out / INDEX).is_file()):
+        raise CheckpointError(f"--out {out}: exists and is not empty; choose a new folder"
+                              + (", or pass --force to replace it" if not force else
+                                 " (--force replaces a selzero folder only: it holds no "
+                                 f"{INDEX})") + ".")
     saved_world = int(index["world_size"]) if "world_size" in index else None
     families: dict[str, list[dict[str, Any]]] = {}
     for d in index["instances"]:
@@ -103,9 +108,15 @@ def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path) ->
             write_sharded(staging / name, manifest, stream())
             described.append(_described(name, ranks, manifest))
         _write_index(staging, {**check_layout(described, world_size), "save_id": save_id})
-        if out.exists():
+        old = None
+        if out.exists() and any(out.iterdir()):  # --force: the old one goes once this is whole
+            old = out.with_name(f"{out.name}.replaced-{save_id}")
+            out.rename(old)
+        elif out.exists():
             out.rmdir()
         staging.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -43,6 +43,7 @@ from safetensors import safe_open
 from .atomic import (MANIFEST_NAME, is_staging, make_staging, previous_folder, put_in_place,
                      refuse_to_replace)
 from ..errors import CheckpointError
+from .safetensors_io import dtype_from_name
 from .format import (SCALAR, VALUE, Manifest, VirtualRecord, check_shard, chunk_range,
                      consolidated_plan, piece_range, read_manifest, replan, shard_file_name,
                      shard_plan, spec_of, state_specs, tensor_key, tensor_shape, whats,
@@ -280,7 +281,8 @@ def consolidated_metadata(manifest: Manifest) -> dict[str, str]:
 
 
 def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                torch_state_dict: str | os.PathLike[str] | None = None) -> Path:
+                torch_state_dict: str | os.PathLike[str] | None = None,
+                torch_optim_state: str | os.PathLike[str] | None = None) -> Path:
     """Full per-parameter FP32 values and optimizer state in one safetensors file (streaming)."""
     path, manifest = open_checkpoint(folder)
     _require_valid(path, manifest)
@@ -298,7 +300,42 @@ def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
     finally:
         partial.unlink(missing_ok=True)
     if torch_state_dict is not None:
-        export_torch_state_dict(out, torch_state_dict)
+        export_model_state(out, torch_state_dict)
+    if torch_optim_state is not None:
+        export_torch_state_dict(out, torch_optim_state)
+    return out
+
+
+def export_model_state(consolidated: str | os.PathLike[str],
+                       out: str | os.PathLike[str]) -> Path:
+    """The selected parameters in the model's own names, shapes and dtypes (fused experts
+    stacked back into their ``(E, ...)`` tensor, tied names each present), for
+    ``model.load_state_dict(sd, strict=False)``: a ``.safetensors`` file, or with any other
+    suffix a ``torch.save`` dict (pickle, only when asked). Values are the FP32 masters cast
+    to the parameter's dtype. Under expert parallelism the names are the global ones (the
+    one-process model's)."""
+    manifest = read_consolidated_manifest(consolidated)
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(consolidated), framework="pt") as f:
+        for entry in manifest.entries:
+            virtuals = [v for v in manifest.virtuals if v.entry == entry["name"]]
+            if not virtuals:
+                continue  # frozen: the model keeps it, selzero never changed it
+            parts = [f.get_tensor(tensor_key(v.key, "value")) for v in virtuals]
+            full = parts[0] if len(parts) == 1 else torch.stack(
+                [p.reshape(v.shape) for p, v in zip(parts, virtuals)])
+            value = full.reshape(entry["shape"]).to(dtype_from_name(entry["dtype"]))
+            for name in [entry["name"], *entry.get("aliases", [])]:
+                tensors[name] = value.clone() if name != entry["name"] else value
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out),
+                  metadata={"format": "pt"})
+    else:
+        torch.save(tensors, out)
     return out
 
 
@@ -579,9 +616,24 @@ def inspect_root(root: Path, *, verify_shards: bool) -> InspectReport:
     return report
 
 
+def _located(folder: str, tool: str) -> str:
+    """[checkpoint/locate.py]: a parent folder holding one checkpoint stands for it."""
+    from .locate import locate
+
+    found = locate(folder, tool=tool)
+    if found != Path(folder):
+        print(f"selzero {tool}: the checkpoint in {folder} is {found}", file=sys.stderr)
+    return str(found)
+
+
 def run_inspect(folder: str, *, verify_shards: bool) -> int:
     from .relayout import find_root
 
+    try:
+        folder = _located(folder, "inspect")
+    except CheckpointError as e:
+        print(f"selzero inspect: error: {e}", file=sys.stderr)
+        return 1
     found = find_root(Path(folder))
     report = inspect_root(found[0], verify_shards=verify_shards) if found is not None else \
         inspect(folder, verify_shards=verify_shards)
@@ -609,7 +661,8 @@ def _return_freed_buffers_to_the_os() -> None:
         pass  # not glibc: nothing to tune
 
 
-def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None = None) -> int:
+def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None = None,
+                force: bool = False) -> int:
     """An instance folder (manifest.json): its group size becomes ``world_size``. A selzero
     folder (index.json), or a host checkpoint holding one: every instance, for ``world_size``
     ranks and expert-parallel size ``ep_size`` ([Note: relayout] in relayout.py)."""
@@ -617,7 +670,9 @@ def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None =
 
     _return_freed_buffers_to_the_os()
     try:
+        folder = _located(folder, "reshard")
         found = find_root(Path(folder))
+        _check_out(Path(folder), found, Path(out), force)
         if found is None:
             if ep_size is not None:
                 raise CheckpointError(
@@ -629,23 +684,51 @@ def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None =
             return 0
         root, host = found
         target = Path(out) / "selected_zero2" if host else Path(out)
-        written = reshard_root(root, world_size, ep_size, target)
+        written = reshard_root(root, world_size, ep_size, target, force=force)
     except CheckpointError as e:
         print(f"selzero reshard: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {written} for {world_size} rank(s)"
-          + (f", expert-parallel size {ep_size}" if ep_size else "")
-          + (" (selzero's part only: the host's own checkpoint files are not converted)"
-             if host else ""))
+          + (f", expert-parallel size {ep_size}" if ep_size else ""))
+    print(WHERE_IT_GOES.format(new=written.parent if written.name == "selected_zero2" else
+                               Path(out), source=root.parent, folder=written))
     return 0
 
 
-def run_consolidate(folder: str, *, out: str, torch_state_dict: str | None) -> int:
+WHERE_IT_GOES = (
+    "Where it must go: a run resumes selzero's state from `selected_zero2/` inside the checkpoint "
+    "it loads. HF Trainer: `resume_from_checkpoint=NEW` needs the Trainer's own files beside it "
+    "(`rsync -a --exclude selected_zero2 {source}/ {new}/`; they do not depend on the world "
+    "size beside DDP). DeepSpeed: `{new}` is a tag folder (`engine.load_checkpoint(DIR, "
+    "tag=...)` with it inside DIR); DeepSpeed's own ZeRO files depend on the world size and are "
+    "DeepSpeed's to convert. Accelerate: `accelerator.load_state(NEW)` with the host's files "
+    "beside it. selzero wrote {folder} only.")
+
+
+def _check_out(source: Path, found: Any, out: Path, force: bool) -> None:
+    """``--out`` must be a new folder (or ``--force``), and never the checkpoint being read."""
+    src = (found[0] if found else source).resolve()
+    dest = out.resolve()
+    if dest == src or src in dest.parents or dest in src.parents:
+        raise CheckpointError(
+            f"--out {out}: it overlaps the checkpoint being read ({src}); write to a new folder "
+            "and move it into place afterwards.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise CheckpointError(
+            f"--out {out}: exists and is not empty. Choose a new folder, or pass --force to "
+            "replace it (the old one is removed only once the new one is complete).")
+
+
+def run_consolidate(folder: str, *, out: str, torch_state_dict: str | None,
+                    torch_optim_state: str | None = None) -> int:
     _return_freed_buffers_to_the_os()
     try:
-        written = consolidate(folder, out, torch_state_dict=torch_state_dict)
+        folder = _located(folder, "consolidate")
+        written = consolidate(folder, out, torch_state_dict=torch_state_dict,
+                              torch_optim_state=torch_optim_state)
     except CheckpointError as e:
         print(f"selzero consolidate: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {written}" + (f" and {torch_state_dict}" if torch_state_dict else ""))
+    extra = [p for p in (torch_state_dict, torch_optim_state) if p]
+    print(f"wrote {written}" + "".join(f" and {p}" for p in extra))
     return 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .experts import ExpertIndex
 
 __all__ = ["StepResult", "MemoryReport"]
 
@@ -23,6 +25,22 @@ class StepResult:
     skipped_nonfinite: int
     """Parameters not stepped because the step was skipped for non-finite gradients
     (``nonfinite="skip"``): every parameter that would otherwise have been updated."""
+    presence: tuple[int, ...] = ()
+    """Per (virtual) parameter, in ``sz.virtual_names`` order: how many ranks of the group had
+    a gradient for it in this step's window (the reduction point's agreed count; no extra
+    collective). Empty when nothing was reduced (a step DeepSpeed skipped)."""
+    experts: ExpertIndex | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def expert_presence(self) -> dict[str, int]:
+        """Per expert (``layers.0.mlp.experts.3``; fused rows and ModuleList members alike, core/
+        experts.py): how many ranks of the group routed tokens to it this step."""
+        return self.experts.presence(self.presence) if self.experts is not None else {}
+
+    @property
+    def dead_experts(self) -> int:
+        """Experts no rank of the group routed a token to this step (not updated, not decayed)."""
+        return sum(1 for n in self.expert_presence.values() if n == 0)
 
 
 @dataclass(frozen=True)

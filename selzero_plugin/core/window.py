@@ -90,7 +90,7 @@ from .layout import Layout
 from .outer_backward import CURRENT as OUTER
 from .selection import SelectedEntry
 from .storage import ShardStorage, holds_nonfinite
-from .units import Units
+from .units import ROOT_NAME, Units
 
 __all__ = ["WindowState", "Decision", "ReductionWindow"]
 
@@ -129,6 +129,7 @@ class Decision:
     skipped_absent: int
     skipped_nonfinite: int
     nonfinite: bool = False  # the reduced subset (or, under a GradScaler, the host) held inf/NaN
+    presence: tuple[int, ...] = ()  # per virtual parameter: group ranks that had a gradient
 
 
 def _in_backward() -> bool:
@@ -218,6 +219,7 @@ class ReductionWindow:
         self.sync = True  # False inside no_sync()
         self.order_logged = False
         self.logged_first_backward = False
+        self.launched_in_backward: tuple[int, int] | None = None  # last backward's (early, all)
         self.dropped = 0  # windows dropped (since the last agreement), see settle()
         # [Note: a backward that raised]: a dead window waits for settle(); dead_schedule: its
         # micro-step's bucket collectives are to be completed there
@@ -506,6 +508,7 @@ class ReductionWindow:
             self.state = WindowState.AWAITING_CLOSE
             if self.launches_in_backward:
                 first = self.collectives.next_launch
+                self.launched_in_backward = (first, len(self.layout.buckets))  # (DEBUG log)
                 while not self.collectives.all_launched():
                     self._launch_one(None)
                 self.collectives.finish_all()
@@ -524,8 +527,10 @@ class ReductionWindow:
         units = sorted({self.units.names[u] for b in late for u in self.bucket_units[b]
                         if not self.unit_passed[u]})
         if late and self.comm.rank == 0:
-            logger.warning(
-                "selzero %r: %d of %d bucket(s) launch at the end of backward, their full FP32 "
+            # The whole model as the unit (a model that is one MoE block) ends its backward with
+            # the backward itself: launching then costs nothing, so that is no warning.
+            log = logger.info if units == [ROOT_NAME] else logger.warning
+            log("selzero %r: %d of %d bucket(s) launch at the end of backward, their full FP32 "
                 "gradients held until then: launch unit(s) %s did not fire (inputs that need no "
                 "gradient?); set launch_modules to modules whose inputs need one.",
                 self.config.name, len(late), len(self.layout.buckets), units[:5])
@@ -1042,7 +1047,7 @@ class ReductionWindow:
             update = [False] * v
         updated = sum(update)
         return Decision(update, global_weight, updated, v - updated - skipped_nonfinite,
-                        skipped_nonfinite, nonfinite > 0)
+                        skipped_nonfinite, nonfinite > 0, tuple(presence))
 
     def _raise_missing(self, missing: list[bool]) -> None:
         mine = self.window_presence.to(torch.uint8)

@@ -16,11 +16,12 @@ and builds the parts. See DESIGN.md section 1 and the Notes in each part.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import warnings
 import weakref
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from .binding import KINDS, REPLACED, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
 from .contract import Field, agree_on_local_errors, check_contract
+from .experts import index_experts
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
 from .optim import (GroupPlan, SegmentOptimizer, build_optimizer, check_admitted,
                     check_hyperparameters, jsonable, override_class, plan_groups,
@@ -57,6 +59,7 @@ class CheckpointIO(Protocol):
     def load(self, view: ShardView, folder: str | os.PathLike[str]) -> None: ...
 
 
+logger = logging.getLogger("selzero_plugin")
 _checkpoint_io: CheckpointIO | None = None
 _LIVE: "weakref.WeakSet[SelectedZero2]" = weakref.WeakSet()
 
@@ -126,6 +129,8 @@ class SelectedZero2:
         _LIVE.add(self)
         if distributed:
             _warn_group_mean(config, self.normalize_ranks, ranks, self.comm.rank)
+        for observer in _BUILD_OBSERVERS:
+            observer(self)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -161,6 +166,7 @@ class SelectedZero2:
                       e.num_experts is not None) for e in trainable],
             len(ranks), int(config.bucket_mb * 2 ** 20), owners=self.owners)
         self.units: Units = resolve_units(self.model, trainable, list(config.launch_modules))
+        self.experts = index_experts(trainable, self.layout)
         self.entries, self.trainable = entries, trainable
         self._dtypes = {e.name: e.param.dtype for e in entries}
 
@@ -452,9 +458,29 @@ class SelectedZero2:
             self.collectives.all_gather_updated(decision.update)
             self.window.bindings.record()
         result = StepResult(decision.global_weight, decision.updated, decision.skipped_absent,
-                            decision.skipped_nonfinite)
+                            decision.skipped_nonfinite, decision.presence, self.experts)
+        if self.comm.rank == 0 and logger.isEnabledFor(logging.DEBUG):
+            self._log_step(result)
         self.window.finish_step()
         return result
+
+    def _log_step(self, result: StepResult) -> None:
+        launched = self.window.launched_in_backward
+        self.window.launched_in_backward = None
+        dead = [n for n, k in result.expert_presence.items() if k == 0]
+        logger.debug(
+            "selzero %r step: %s; updated %d, skipped %d absent (%d dead expert(s)%s), %d "
+            "non-finite; divided by %d.", self.config.name,
+            f"{launched[0]} of {launched[1]} bucket(s) launched during backward, the rest at "
+            "its end" if launched else "every bucket launched at the reduction point",
+            result.updated, result.skipped_absent, len(dead),
+            f": {dead[:5]}" if dead else "", result.skipped_nonfinite, result.global_weight)
+
+    @property
+    def virtual_names(self) -> list[str]:
+        """The (virtual) parameters in ``StepResult.presence`` order: each selected tensor, a
+        fused one (``expert_dim=0``) as ``name[expert i]`` per row."""
+        return [self.window.virtual_name(i) for i in range(len(self.layout.virtuals))]
 
     def unscale_(self, inv_scale: torch.Tensor,
                  host_found_inf: torch.Tensor | None = None) -> torch.Tensor:
@@ -629,6 +655,16 @@ class SelectedZero2:
             owner = getattr(e.param, "_selzero_owner", None)
             if owner is not None and owner() is self:
                 del e.param._selzero_owner
+
+
+_BUILD_OBSERVERS: list[Callable[["SelectedZero2"], None]] = []
+
+
+def add_build_observer(fn: Callable[["SelectedZero2"], None]) -> None:
+    """``fn(sz)`` after every construction (the package's log summary, selzero_plugin/log.py;
+    local work only: it must not communicate)."""
+    if fn not in _BUILD_OBSERVERS:
+        _BUILD_OBSERVERS.append(fn)
 
 
 def _io() -> CheckpointIO:
