@@ -13,7 +13,8 @@ Models"), so which experts get tokens is set by the data: reproducible and uneve
 data leans on different topics, topics 5-6 are rare, and topic 7 never occurs, so on a given
 step some experts get tokens on one rank only, some on none, and expert 7 gets none in the whole
 run. That last one shows the presence rule: no gradient anywhere means no update, no weight
-decay, no step count; DDP + AdamW would decay it every step.
+decay, no step count (what torch does for a parameter whose .grad stays None; a zero gradient, as
+for fused experts or DeepSpeed ZeRO-0's zero fill, would be decayed every step).
 """
 
 from __future__ import annotations
@@ -520,7 +521,7 @@ def _print_table(*, world: int, steps: int, cfg: DemoConfig, per_rank, expert_pa
         f"expert updates skipped (expert absent on every rank): {skipped_experts} of "
         f"{(skipped + updated) // per_expert} ({skipped} parameter updates)",
         f"expert 7 (never routed): {'bit-identical to its start' if dead_untouched else 'CHANGED'}"
-        "; DDP + AdamW would have decayed it every step",
+        " (no update, no weight decay, no AdamW step count)",
         f"replicas identical after training: {'yes' if replicas_agree else 'NO'}",
         *checkpoint_lines,
         f"training time: {train_s:.1f} s" + (

@@ -274,6 +274,10 @@ def test_beside_deepspeed_the_figures_reach_the_log(deepspeed_runs):
     steps = _steps(json.loads((out / "ds-sz0.json").read_text())["full"])
     assert len(steps) == 6
     assert all(s["selzero/updated"] + s["selzero/skipped_absent"] == 32 for s in steps), steps
+    # per-expert presence: 2 layers x 8 experts; an expert is dead when both its fused rows
+    # (gate_up, down) got no token on any rank, so the dead count is half the skipped rows
+    assert all(s["selzero/experts"] == 16 and 2 * s["selzero/dead_experts"] ==
+               s["selzero/skipped_absent"] for s in steps), steps
     r0 = json.loads((out / "ds-sz0.routing0.json").read_text())
     r1 = json.loads((out / "ds-sz0.routing1.json").read_text())
     assert [a for _, a in r0] != [a for _, a in r1]  # ranks read and route differently

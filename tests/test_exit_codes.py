@@ -13,7 +13,6 @@ thread holds the last reference to it.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -68,10 +67,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+README_EXAMPLE = "# torchrun --nproc-per-node 2 example.py"  # its first line (tests/test_docs.py)
+
+
 def _readme_example() -> str:
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    example = [b for b in blocks if b.startswith("# torchrun --nproc-per-node 2 example.py")]
+    from ._doc_blocks import blocks
+
+    example = [b.text for b in blocks(ROOT / "README.md")
+               if b.mode == "run" and b.text.startswith(README_EXAMPLE)]
     assert len(example) == 1, "the README's plain-DDP example block"
     return example[0]
 
@@ -91,15 +94,24 @@ def _check(results: list[subprocess.CompletedProcess]) -> None:
     bad = [r for r in results if r.returncode != 0 or "terminate called" in r.stderr]
     assert not bad, (f"{len(bad)} of {len(results)} launches failed; first: rc "
                      f"{bad[0].returncode}\n{bad[0].stderr[-3000:]}")
+    # a copied example must not greet its user with the launch-unit warning (docs/faq.md)
+    warned = [r for r in results if "launch at the end of backward" in r.stderr]
+    assert not warned, warned[0].stderr[-3000:]
 
 
 @pytest.mark.e2e
 @pytest.mark.multiproc
 def test_the_readme_ddp_example_exits_zero_every_time(tmp_path):
-    (tmp_path / "example.py").write_text(_readme_example())
+    """As written (it ends with leave_now()), and as many programs end: with torch's
+    destroy_process_group(), which must not abort either."""
+    example = _readme_example()
+    assert "leave_now()" in example
+    (tmp_path / "example.py").write_text(example)
+    (tmp_path / "destroy.py").write_text(example.replace(
+        "leave_now()", "dist.destroy_process_group()"))
     commands = [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                 "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "example.py"]
-                for _ in range(2 * ROUNDS)]
+                 "--master-addr=127.0.0.1", f"--master-port={_free_port()}", script]
+                for _ in range(ROUNDS) for script in ("example.py", "destroy.py")]
     _check(_launch_pairs(commands, tmp_path))
 
 

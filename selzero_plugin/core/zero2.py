@@ -16,6 +16,7 @@ and builds the parts. See DESIGN.md section 1 and the Notes in each part.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -64,9 +65,16 @@ _checkpoint_io: CheckpointIO | None = None
 _LIVE: "weakref.WeakSet[SelectedZero2]" = weakref.WeakSet()
 
 
+_BUILT = itertools.count()  # construction order: the same on every rank of a group
+
+
 def live_instances() -> list["SelectedZero2"]:
-    """The instances of this process whose hooks are installed (built, not removed)."""
-    return [sz for sz in list(_LIVE) if sz.window.installed]
+    """The instances of this process whose hooks are installed (built, not removed), in the
+    order they were built. Callers issue collectives per instance (a GradScaler's unscale, a
+    failed backward), so the order must be the same on every rank: a WeakSet iterates in
+    address order, which differs between processes (review finding: two instances under one
+    scaler waited for each other's all-reduce until the timeout)."""
+    return sorted((sz for sz in list(_LIVE) if sz.window.installed), key=lambda sz: sz._built)
 
 
 def register_checkpoint_io(io: CheckpointIO) -> None:
@@ -126,6 +134,7 @@ class SelectedZero2:
         for e in self.entries:
             e.param._selzero_owner = weakref.ref(self)
         self.window.bindings.record()
+        self._built = next(_BUILT)
         _LIVE.add(self)
         if distributed:
             _warn_group_mean(config, self.normalize_ranks, ranks, self.comm.rank)
