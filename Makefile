@@ -27,8 +27,12 @@ $(STAMP): setup.cfg pyproject.toml $(CONSTRAINTS)
 demo: $(STAMP)
 	$(VENV)/bin/selzero demo
 
+# DeepSpeed compiles a comm op on first use into TORCH_EXTENSIONS_DIR: one cache per venv, so
+# two clones (or venvs) on one machine do not rebuild it for each other in turn
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[$(EXTRAS),bench]" -c $(CONSTRAINTS)
