@@ -25,10 +25,11 @@ class StepResult:
     skipped_nonfinite: int
     """Parameters not stepped because the step was skipped for non-finite gradients
     (``nonfinite="skip"``): every parameter that would otherwise have been updated."""
-    presence: tuple[int, ...] = ()
+    presence: tuple[int, ...] = field(default=(), repr=False, compare=False)
     """Per (virtual) parameter, in ``sz.virtual_names`` order: how many ranks of the group had
     a gradient for it in this step's window (the reduction point's agreed count; no extra
-    collective). Empty when nothing was reduced (a step DeepSpeed skipped)."""
+    collective). Empty when nothing was reduced (a step DeepSpeed skipped). Not part of ``==``
+    or ``repr`` (the four counts are: ``StepResult(2, 8, 0, 0)`` compares as before)."""
     experts: ExpertIndex | None = field(default=None, repr=False, compare=False)
 
     @property
