@@ -846,8 +846,10 @@ def _embed_for_zero_to_fp32(engine: Any, sz: SelectedZero2, save_dir: str, tag: 
         return  # stage 0: the module states hold every parameter; other ranks write no file
     if not sz.spans_world:
         logger.warning("selzero: expert-parallel instances: DeepSpeed's zero_to_fp32 does not "
-                       "see the experts of %s; consolidate them with `selzero consolidate`.",
-                       os.path.join(save_dir, tag))
+                       "see the experts of %s; for every expert in one file: `selzero reshard "
+                       "%s --world-size 1 --ep-size 1 --out ONE` then `selzero consolidate ONE "
+                       "--out experts.safetensors --torch-state-dict model.safetensors`.",
+                       os.path.join(save_dir, tag), os.path.join(save_dir, tag, "selected_zero2"))
         return
     from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES
 

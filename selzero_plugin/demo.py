@@ -74,7 +74,7 @@ def launch(nproc: int, steps: int, out: str | None, host: str = "ddp", ep: int |
         print(f"selzero demo: --ep {ep} with --host {host}: the expert-parallel demo runs "
               "beside plain DDP only (its MoE layer exchanges tokens itself, "
               "selzero_plugin.moe.ExpertParallelMoE; the demo does not wire it into "
-              f"{host}). Run `selzero demo --ep {ep} --nproc {max(nproc, 2 * ep)}`; for "
+              f"{host}). Run `selzero demo --ep 2 --nproc 4`; for "
               "expert parallelism under DeepSpeed see docs/deepspeed.md (\"group\": "
               "{\"expert_parallel_size\": E}).", file=sys.stderr)
         return 2

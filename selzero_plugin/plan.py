@@ -184,8 +184,10 @@ def load_model(spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
         if required:
             raise ConfigError(
                 f"model {spec!r}: {attr}() needs argument(s) {required}, and selzero plan calls "
-                f"it with none. Name a factory that takes none, e.g. `def plan_model(): return "
-                f"{attr}(...)` in {module_name}, and pass {module_name}:plan_model.")
+                f"it with none. Write a factory that takes none (`def plan_model(): return "
+                f"{attr}(...)` in a module of yours) and pass `my_module:plan_model`; for a "
+                "transformers model, pass its config as a .json file instead (with "
+                "\"model_type\").")
         with torch.device("meta"):
             model = factory()
         if not isinstance(model, nn.Module):

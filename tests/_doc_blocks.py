@@ -9,7 +9,9 @@ An info string is ``LANG [MODE] [key=value ...]``:
 - ``LANG excerpt``: a fragment shown for reading; every line of it occurs in a ``run`` block or
   in a file under ``integrations/`` or ``configs/``;
 - ``json`` / ``yaml``: parsed; a ``selected_zero2`` mapping in them is a valid config;
-- ``text``: not code (output, folder layouts, command synopses).
+- ``text``: not code (folder layouts, command synopses); ``text output`` right after a run
+  block: what that block prints, checked line by line against its stdout and stderr (a line
+  with ``...`` matches any text in its place).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LINKED = ("configs", "integrations", "benchmarks")
 FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.M | re.S)
 MODES = {"python": {"run", "excerpt"}, "bash": {"run", "excerpt"}, "json": {"", "excerpt"},
-         "yaml": {"", "excerpt"}, "text": {""}}
+         "yaml": {"", "excerpt"}, "text": {"", "output"}}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,27 @@ def blocks(path: Path) -> list[Block]:
 
 def all_blocks() -> list[Block]:
     return [b for p in pages() for b in blocks(p)]
+
+
+def expected_output(run: Block) -> Block | None:
+    """The ``text output`` block that follows ``run`` in its page, if the next block is one."""
+    page = blocks(run.path)
+    i = next(i for i, b in enumerate(page) if b.line == run.line)
+    nxt = page[i + 1] if i + 1 < len(page) else None
+    return nxt if nxt is not None and nxt.lang == "text" and nxt.mode == "output" else None
+
+
+def output_matches(expected: str, printed: str) -> list[str]:
+    """The lines of ``expected`` that occur in no line of ``printed``."""
+    lines = [x.strip() for x in printed.splitlines()]
+    missing = []
+    for want in (x.strip() for x in expected.splitlines()):
+        if not want:
+            continue
+        pattern = re.compile(".*".join(re.escape(p) for p in re.split(r"\.\.\.|…", want)) + "$")
+        if not any(pattern.match(x) for x in lines):
+            missing.append(want)
+    return missing
 
 
 def unique_runs() -> list[Block]:

@@ -329,3 +329,97 @@ def test_peak_rss_of_reshard_and_consolidate_stays_near_one_parameter(tmp_path):
     assert r["state_bytes"] // 1024 > 2 * bound_kb
     for op in ("reshard", "consolidate"):
         assert r[f"{op}_rss_kb"] - r["baseline_rss_kb"] <= bound_kb, (op, r)
+
+
+def _root_checkpoint(folder: Path) -> Path:
+    """A host checkpoint holding a selzero folder (index.json), saved by one process."""
+    from selzero_plugin import SelectedZero2
+    from selzero_plugin.checkpoint import host
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    sz = SelectedZero2(model, {"params": ["0.*"]}, torch.optim.AdamW, {"lr": 1e-3})
+    model(torch.randn(3, 4)).sum().backward()
+    sz.step()
+    host.save_into(folder, [sz])
+    sz.remove_hooks()
+    return folder
+
+
+def test_a_forced_reshard_that_fails_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """Review finding: --force moved the old folder aside, and a failure before the new one was
+    in place (a full disk) lost it and escaped as a traceback."""
+    from selzero_plugin.checkpoint.relayout import find_root
+
+    source = _root_checkpoint(tmp_path / "checkpoint-1")
+    out = tmp_path / "new"
+    assert tools.run_reshard(str(source), world_size=2, out=str(out)) == 0
+    before = _files(out / "selected_zero2" / "selected_zero2")
+    real = Path.rename
+
+    def full_disk(self, target):
+        if ".staging-" in self.name and Path(target) == out / "selected_zero2":
+            raise OSError(28, "No space left on device")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", full_disk)
+    assert tools.run_reshard(str(source), world_size=3, out=str(out), force=True) == 1
+    monkeypatch.setattr(Path, "rename", real)
+    assert _files(out / "selected_zero2" / "selected_zero2") == before  # still the old one
+    assert find_root(out) is not None and not (out / "selected_zero2.previous").exists()
+    assert tools.run_reshard(str(source), world_size=3, out=str(out), force=True) == 0
+    assert read_manifest(out / "selected_zero2" / "selected_zero2").group_size == 3
+
+
+def test_consolidate_takes_a_host_checkpoint_holding_one_instance(tmp_path):
+    """Review finding: consolidate called a Trainer checkpoint-N, its selected_zero2 folder and
+    the output folder above them all "an incomplete save"."""
+    source = _root_checkpoint(tmp_path / "out" / "checkpoint-1")
+    for folder in (source, source / "selected_zero2", tmp_path / "out"):
+        out = tmp_path / f"{folder.name}.safetensors"
+        assert tools.run_consolidate(str(folder), out=str(out), torch_state_dict=str(
+            tmp_path / f"{folder.name}-model.safetensors")) == 0, folder
+        assert "0.weight/value" in load_file(out)
+        assert sorted(load_file(tmp_path / f"{folder.name}-model.safetensors")) == \
+            ["0.bias", "0.weight"]
+
+
+def test_consolidate_refuses_several_instances_and_expert_parallel_exports(tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from selzero_plugin import SelectedZero2
+    from selzero_plugin.checkpoint import host
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    a = SelectedZero2(model, {"params": ["0.*"], "name": "a"}, torch.optim.AdamW, {"lr": 1e-3})
+    b = SelectedZero2(model, {"params": ["1.*"], "name": "b"}, torch.optim.SGD, {"lr": 1e-3})
+    model(torch.randn(3, 4)).sum().backward()
+    a.step(), b.step()
+    host.save_into(tmp_path / "two", [a, b])
+    a.remove_hooks(), b.remove_hooks()
+    assert tools.run_consolidate(str(tmp_path / "two"), out=str(tmp_path / "x.safetensors"),
+                                 torch_state_dict=None) == 1
+    err = capsys.readouterr().err
+    assert "holds 2 selzero instances (['a', 'b'])" in err and "Consolidate each" in err
+    # one of several expert-parallel instances: its fused tensors are not the model's
+    full = tools.consolidate(tmp_path / "two" / "selected_zero2" / "a", tmp_path / "a.safetensors")
+    with safe_open(str(full), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    raw = json.loads(meta["selzero"])
+    raw["expert_parallel"] = {"ep_rank": 0, "ep_size": 2}
+    save_file(tensors, str(full), metadata={**meta, "selzero": json.dumps(raw)})
+    with pytest.raises(CheckpointError, match="one of 2 expert-parallel instances"):
+        tools.export_model_state(full, tmp_path / "m.safetensors")
+
+
+def test_several_checkpoints_below_a_folder_are_listed_newest_last(tmp_path):
+    from selzero_plugin.checkpoint.locate import locate
+
+    for name in ("checkpoint-9", "checkpoint-10", "checkpoint-10.replaced-ab12"):
+        (tmp_path / name / "selected_zero2").mkdir(parents=True)
+        (tmp_path / name / "selected_zero2" / "index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"holds 2 checkpoints.*checkpoint-10` \(the last\)"):
+        locate(tmp_path, tool="inspect")
+    (tmp_path / "latest").write_text("checkpoint-9")  # DeepSpeed's newest tag
+    with pytest.raises(CheckpointError, match=r"checkpoint-9` \(the `latest` tag\)"):
+        locate(tmp_path, tool="inspect")

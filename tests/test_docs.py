@@ -18,8 +18,8 @@ import yaml
 
 from selzero_plugin import SelZeroConfig
 
-from ._doc_blocks import LINKED, MODES, ROOT, Block, all_blocks, known_lines, normalized, pages, \
-    unique_runs
+from ._doc_blocks import LINKED, MODES, ROOT, Block, all_blocks, expected_output, known_lines, \
+    normalized, output_matches, pages, unique_runs
 
 BIN = Path(sys.executable).parent
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|<(https?://[^>]+)>")
@@ -77,8 +77,13 @@ def test_no_link_leaves_the_repository():
     for page in pages():
         source = re.sub(r"^( *)```.*?^\1```", "", page.read_text(), flags=re.M | re.S)
         source = re.sub(r"`[^`\n]*`", "", source)
-        for m in LINK.finditer(source):
-            target = m.group(1) or m.group(2)
+        bare = re.sub(r"\]\([^)]*\)|<https?://[^>]+>", "", source)
+        bad += [f"{page.name}: {u} (outside the repository)"
+                for u in re.findall(r"https?://[^\s)>\]]+", bare)]  # bare URLs, href="..."
+        targets = [m.group(1) or m.group(2) for m in LINK.finditer(source)]
+        targets += re.findall(r"^ {0,3}\[[^\]]+\]:\s*(\S+)", source, re.M)  # [ref]: target
+        targets += re.findall(r"""href=["']([^"']+)["']""", source)
+        for target in targets:
             if re.match(r"^[a-z][a-z0-9+.-]*:", target):
                 bad.append(f"{page.name}: {target} (outside the repository)")
                 continue
@@ -191,3 +196,28 @@ def test_run_block(block, tmp_path):
     # a copied example must not greet its user with the launch-unit warning (docs/faq.md)
     assert "launch at the end of backward" not in result.stderr, (
         f"{block.where} warns about launch units:\n{result.stderr[-3000:]}")
+    shown = expected_output(block)
+    if shown is not None:  # the page shows what it prints: it must still print that
+        missing = output_matches(shown.text, result.stdout + "\n" + result.stderr)
+        assert not missing, (f"{shown.where} shows lines {block.where} no longer prints: "
+                             f"{missing[:5]}\n--- stdout\n{result.stdout[-3000:]}")
+
+
+def test_output_blocks_follow_a_run_block():
+    bad = []
+    for b in all_blocks():
+        if b.mode == "output":
+            page = [x for x in all_blocks() if x.path == b.path]
+            prev = page[page.index(b) - 1] if page.index(b) else None
+            if prev is None or prev.mode != "run":
+                bad.append(b.where)
+    assert not bad, f"`text output` blocks that follow no run block: {bad}"
+
+
+def test_shown_output_is_compared_line_by_line():
+    """Review finding: a block whose documented error no longer happened still passed."""
+    printed = "ConfigError: reduction='avg': expected one of 'mean'\nsteps 4 in 1.3 s\n"
+    assert output_matches("ConfigError: reduction='avg': expected one of 'mean'\n"
+                          "steps 4 in ... s", printed) == []
+    assert output_matches("ConfigError: reduction='sum' is fine", printed) == \
+        ["ConfigError: reduction='sum' is fine"]

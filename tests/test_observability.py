@@ -83,21 +83,29 @@ class _Fused(nn.Module):
         self.w = nn.Parameter(torch.randn(3, 5, 7))
 
 
+class _Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 3
+        self.weight = nn.Parameter(torch.randn(3, 7))
+
+
 class _Mixed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.experts = nn.ModuleList(nn.Linear(7, 5) for _ in range(3))
-        self.fused = _Fused().to(torch.bfloat16)
+        self.fused_experts = _Fused().to(torch.bfloat16)
+        self.gate = _Router()  # (E, hidden): split by expert_dim=0 too, but not an expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = sum(e(x) for e in self.experts)
-        return h + torch.einsum("td,eod->to", x.bfloat16(), self.fused.w).float()
+        h = sum(e(x) for e in self.experts) + (x @ self.gate.weight.t()).sum()
+        return h + torch.einsum("td,eod->to", x.bfloat16(), self.fused_experts.w).float()
 
 
 def test_the_info_line_bytes_are_what_memory_report_measures(caplog):
     torch.manual_seed(0)
     model = _Mixed()
-    sz = SelectedZero2(model, {"params": ["experts.*", "fused.*"], "expert_dim": 0,
+    sz = SelectedZero2(model, {"params": ["experts.*", "fused_experts.*"], "expert_dim": 0,
                                "bucket_mb": 0.0001}, torch.optim.AdamW, {"lr": 1e-3})
     model(torch.randn(4, 7)).pow(2).mean().backward()
     assert sz.step().updated == 9  # every (virtual) parameter stepped: the state is all there
@@ -107,6 +115,23 @@ def test_the_info_line_bytes_are_what_memory_report_measures(caplog):
         (report.grad_shard, report.optimizer_state, report.master)
     line = describe(sz)
     assert "mixed-precision DDP (bfloat16 weights; FP32 grads, masters, state)" in line
+    sz.remove_hooks()
+
+
+def test_a_failing_description_does_not_fail_construction(caplog, monkeypatch):
+    """Review finding: at INFO the description's optimizer-state probe raised on rank 0 alone
+    (an optimizer keeping an int in its state) after the ranks had agreed: a report must never
+    change the outcome."""
+    from selzero_plugin import log
+
+    def broken(sz):
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(log, "describe", broken)
+    with caplog.at_level(logging.INFO, logger="selzero_plugin"):
+        sz = SelectedZero2(ToyMoE(2), {"params": ["experts.*"]}, torch.optim.SGD, {"lr": 0.1})
+    assert any("could not describe the instance (RuntimeError: probe failed)" in r.getMessage()
+               for r in caplog.records)
     sz.remove_hooks()
 
 
@@ -139,11 +164,14 @@ def test_per_expert_presence_on_the_step_result_at_world_two():
 
 
 def test_fused_rows_and_module_list_members_are_named_alike():
+    """Review finding: a selected router split by expert_dim=0 counted as experts (32 for 16
+    in a Qwen3-MoE): only modules named like experts (or declaring expert_offset) hold any."""
     model = _Mixed()
-    sz = SelectedZero2(model, {"params": ["experts.*", "fused.*"], "expert_dim": 0},
-                       torch.optim.SGD, {"lr": 0.1})
-    assert sz.experts.names == ("experts.0", "experts.1", "experts.2", "fused.0", "fused.1",
-                                "fused.2")
+    sz = SelectedZero2(model, {"params": ["experts.*", "fused_experts.*", "gate.*"],
+                               "expert_dim": 0}, torch.optim.SGD, {"lr": 0.1})
+    assert sz.experts.names == ("experts.0", "experts.1", "experts.2", "fused_experts.0",
+                                "fused_experts.1", "fused_experts.2")
+    assert "gate.weight[expert 0]" in sz.virtual_names
     sz.remove_hooks()
 
 

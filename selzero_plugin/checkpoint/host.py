@@ -322,8 +322,8 @@ def _check_against_index(host_dir: Path, index: dict[str, Any],
         saved_ep = saved_family.get("ep_size") if saved_family else \
             next((d.get("ep_size") for d in saved.values() if d.get("family") == family), None)
         record = saved.get(sz.config.name)
-        where = (f", put the host's own files beside it (`rsync -a --exclude {FOLDER} "
-                 f"{host_dir}/ NEW/`) and resume from NEW (HF Trainer: "
+        where = (f", put the host's own files beside it (`find {host_dir} -maxdepth 1 -type f "
+                 "-exec cp {} NEW/ \\;`) and resume from NEW (HF Trainer: "
                  "resume_from_checkpoint=NEW; DeepSpeed: NEW is a tag folder inside the save "
                  "folder, and DeepSpeed's own ZeRO files are DeepSpeed's to convert; Accelerate: "
                  "accelerator.load_state(NEW)).")

@@ -10,6 +10,7 @@ is an error listing them. Staging and ``.previous`` folders are never candidates
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -31,7 +32,7 @@ def _candidates(folder: Path, depth: int) -> list[Path]:
         return []
     found = []
     for child in sorted(p for p in folder.iterdir() if p.is_dir()):
-        if is_staging(child) or child.name.endswith(".previous"):
+        if is_staging(child) or child.name.endswith(".previous") or ".replaced-" in child.name:
             continue
         found += [child] if _is_checkpoint(child) else _candidates(child, depth - 1)
     return found
@@ -43,10 +44,18 @@ def locate(folder: str | Path, *, tool: str) -> Path:
     path = Path(folder)
     if not path.is_dir() or is_staging(path) or _is_checkpoint(path):
         return path
-    found = _candidates(path, _DEPTH)
+    found = sorted(_candidates(path, _DEPTH), key=_natural)
     if len(found) > 1:
         listed = "\n  ".join(str(p) for p in found[:20])
+        latest = path / "latest"  # DeepSpeed names its newest tag there
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        pick = next((p for p in found if tag and p.name == tag), found[-1])
         raise CheckpointError(
             f"{path} holds {len(found)} checkpoints; name the one you mean, e.g. `selzero {tool} "
-            f"{found[-1]}`:\n  {listed}")
+            f"{pick}`{' (the `latest` tag)' if pick.name == tag else ' (the last)'}:\n  {listed}")
     return found[0] if found else path
+
+
+def _natural(p: Path) -> list[object]:
+    """checkpoint-9 before checkpoint-10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]

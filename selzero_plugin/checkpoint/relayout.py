@@ -110,11 +110,18 @@ def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path, *,
         _write_index(staging, {**check_layout(described, world_size), "save_id": save_id})
         old = None
         if out.exists() and any(out.iterdir()):  # --force: the old one goes once this is whole
-            old = out.with_name(f"{out.name}.replaced-{save_id}")
+            old = out.with_name(f"{out.name}.previous")  # what loads fall back to (atomic.py)
+            if old.exists():
+                shutil.rmtree(old)
             out.rename(old)
         elif out.exists():
             out.rmdir()
-        staging.rename(out)
+        try:
+            staging.rename(out)
+        except BaseException:
+            if old is not None and not out.exists():
+                old.rename(out)  # the old one back in place: complete or absent, never lost
+            raise
         if old is not None:
             shutil.rmtree(old)
     except BaseException:

@@ -283,8 +283,9 @@ def consolidated_metadata(manifest: Manifest) -> dict[str, str]:
 def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
                 torch_state_dict: str | os.PathLike[str] | None = None,
                 torch_optim_state: str | os.PathLike[str] | None = None) -> Path:
-    """Full per-parameter FP32 values and optimizer state in one safetensors file (streaming)."""
-    path, manifest = open_checkpoint(folder)
+    """Full per-parameter FP32 values and optimizer state in one safetensors file (streaming).
+    ``folder``: an instance folder, or a selzero folder / host checkpoint holding one instance."""
+    path, manifest = open_checkpoint(_one_instance(Path(folder)))
     _require_valid(path, manifest)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -315,6 +316,14 @@ def export_model_state(consolidated: str | os.PathLike[str],
     to the parameter's dtype. Under expert parallelism the names are the global ones (the
     one-process model's)."""
     manifest = read_consolidated_manifest(consolidated)
+    ep = manifest.expert_parallel
+    if ep is not None and ep[1] > 1:
+        raise CheckpointError(
+            f"{consolidated}: one of {ep[1]} expert-parallel instances, holding some of the "
+            "experts only, so its tensors are not the model's (a fused tensor has fewer rows). "
+            "Reshard the selzero folder to one expert-parallel rank first (`selzero reshard "
+            "CKPT/selected_zero2 --world-size 1 --ep-size 1 --out ONE`), then consolidate ONE "
+            "with --torch-state-dict.")
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(consolidated), framework="pt") as f:
         for entry in manifest.entries:
@@ -337,6 +346,30 @@ def export_model_state(consolidated: str | os.PathLike[str],
     else:
         torch.save(tensors, out)
     return out
+
+
+def _one_instance(folder: Path) -> Path:
+    """The instance folder of a selzero folder (index.json) or of the checkpoint holding it,
+    when it holds one instance; ``folder`` itself when it holds no index."""
+    from .host import read_index
+    from .relayout import find_root
+
+    found = find_root(folder)
+    if found is None:
+        return folder
+    root = found[0]
+    index = read_index(root, root=True)
+    names = [d["name"] for d in index["instances"]]
+    if len(names) == 1:
+        return root / names[0]
+    eps = sorted({d["ep_size"] for d in index["instances"] if d.get("ep_size")})
+    hint = (f" Under expert parallelism (size {eps[0]}) each instance holds some experts: "
+            f"`selzero reshard {root} --world-size 1 --ep-size 1 --out ONE` gives one instance "
+            "holding every expert, whose tensors are the model's.") if eps else ""
+    raise CheckpointError(
+        f"{root} holds {len(names)} selzero instances ({names[:8]}); a consolidated file is "
+        f"one instance's. Consolidate each: `selzero consolidate {root / names[0]} --out "
+        f"{names[0]}.safetensors`, and so on.{hint}")
 
 
 def read_consolidated_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -685,7 +718,7 @@ def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None =
         root, host = found
         target = Path(out) / "selected_zero2" if host else Path(out)
         written = reshard_root(root, world_size, ep_size, target, force=force)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         print(f"selzero reshard: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {written} for {world_size} rank(s)"
@@ -698,8 +731,8 @@ def run_reshard(folder: str, *, world_size: int, out: str, ep_size: int | None =
 WHERE_IT_GOES = (
     "Where it must go: a run resumes selzero's state from `selected_zero2/` inside the checkpoint "
     "it loads. HF Trainer: `resume_from_checkpoint=NEW` needs the Trainer's own files beside it "
-    "(`rsync -a --exclude selected_zero2 {source}/ {new}/`; they do not depend on the world "
-    "size beside DDP). DeepSpeed: `{new}` is a tag folder (`engine.load_checkpoint(DIR, "
+    "(`find {source} -maxdepth 1 -type f -exec cp {{}} {new}/ \\;`; beside DDP they do not "
+    "depend on the world size). DeepSpeed: `{new}` is a tag folder (`engine.load_checkpoint(DIR, "
     "tag=...)` with it inside DIR); DeepSpeed's own ZeRO files depend on the world size and are "
     "DeepSpeed's to convert. Accelerate: `accelerator.load_state(NEW)` with the host's files "
     "beside it. selzero wrote {folder} only.")
@@ -726,7 +759,7 @@ def run_consolidate(folder: str, *, out: str, torch_state_dict: str | None,
         folder = _located(folder, "consolidate")
         written = consolidate(folder, out, torch_state_dict=torch_state_dict,
                               torch_optim_state=torch_optim_state)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         print(f"selzero consolidate: error: {e}", file=sys.stderr)
         return 1
     extra = [p for p in (torch_state_dict, torch_optim_state) if p]

@@ -2,9 +2,10 @@
 
 An expert is named by the module that holds it and its index, the same for both layouts:
 ``layers.0.mlp.experts.3`` is the ModuleList member ``...experts.3`` (all of its tensors), and
-row 3 of every fused tensor of the module ``layers.0.mlp.experts`` (``expert_dim=0``). Under
-expert parallelism the index is the global one (``expert_offset``). A selected tensor that is
-neither (a router, attention) belongs to no expert.
+row 3 of every fused tensor of the module ``layers.0.mlp.experts`` (``expert_dim=0``; a module
+whose name says "expert", or that declares ``expert_offset``). Under expert parallelism the
+index is the global one. A selected tensor that is neither (a router, even split by
+``expert_dim=0``; attention) belongs to no expert.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .selection import SelectedEntry
 __all__ = ["ExpertIndex", "index_experts"]
 
 _MEMBER = re.compile(r"^((?:.*\.)?[^.]*expert[^.]*\.\d+)\.", re.I)
+_EXPERTS_MODULE = re.compile(r"(^|\.)[^.]*expert[^.]*$", re.I)  # its own name says "expert"
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,10 @@ class ExpertIndex:
 
 def _key(entry: SelectedEntry, expert: int | None) -> str | None:
     place = entry.placement
-    if expert is not None:  # a row of a fused tensor
+    if expert is not None:  # a row of a fused tensor: of an experts module, not a router
         module = entry.name.rpartition(".")[0]
+        if place is None and not _EXPERTS_MODULE.search(module):
+            return None  # a router's (E, hidden) weight split by expert_dim=0, or the like
         first = place.first if place is not None else 0
         return f"{module}.{first + expert}" if module else str(first + expert)
     if place is not None and place.member is not None:

@@ -138,8 +138,12 @@ class SelectedZero2:
         _LIVE.add(self)
         if distributed:
             _warn_group_mean(config, self.normalize_ranks, ranks, self.comm.rank)
-        for observer in _BUILD_OBSERVERS:
-            observer(self)
+        for observer in _BUILD_OBSERVERS:  # reports only: never part of the agreed outcome
+            try:
+                observer(self)
+            except Exception as e:  # noqa: BLE001 - a report must not fail one rank alone
+                logger.warning("selzero %r: could not describe the instance (%s: %s); "
+                               "training is not affected.", config.name, type(e).__name__, e)
 
     # ---- construction ----------------------------------------------------------------------
 
