@@ -21,7 +21,8 @@ def test_live_instances_come_in_construction_order():
         built.append(SelectedZero2(model, {"params": ["0.*"], "name": f"i{i}"},
                                    torch.optim.SGD, {"lr": 0.1}))
     try:
-        assert [sz.config.name for sz in live_instances()] == [f"i{i}" for i in range(12)]
+        mine = [sz.config.name for sz in live_instances() if any(sz is b for b in built)]
+        assert mine == [f"i{i}" for i in range(12)]
     finally:
         for sz in built:
             sz.remove_hooks()

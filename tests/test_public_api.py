@@ -60,7 +60,9 @@ def test_step_result_has_the_documented_fields():
     from selzero_plugin import MemoryReport, StepResult
 
     assert [f.name for f in dataclasses.fields(StepResult)] == [
-        "global_weight", "updated", "skipped_absent", "skipped_nonfinite"]
+        "global_weight", "updated", "skipped_absent", "skipped_nonfinite", "presence"]
+    assert StepResult(2, 8, 0, 0) == StepResult(2, 8, 0, 0, (1, 2))  # compared by the counts
+    assert StepResult(2, 8, 0, 0).expert_presence == {} and StepResult(2, 8, 0, 0).dead_experts == 0
     assert {"grad_shard", "optimizer_state", "master", "total", "ideal_total"} <= {
         f.name for f in dataclasses.fields(MemoryReport)}
 

@@ -30,13 +30,19 @@ class StepResult:
     a gradient for it in this step's window (the reduction point's agreed count; no extra
     collective). Empty when nothing was reduced (a step DeepSpeed skipped). Not part of ``==``
     or ``repr`` (the four counts are: ``StepResult(2, 8, 0, 0)`` compares as before)."""
-    experts: ExpertIndex | None = field(default=None, repr=False, compare=False)
+
+    def naming(self, experts: ExpertIndex) -> "StepResult":
+        """This result with the engine's expert index (not a field: ``StepResult`` keeps its
+        documented fields, and ``dataclasses.asdict`` stays small)."""
+        object.__setattr__(self, "_experts", experts)
+        return self
 
     @property
     def expert_presence(self) -> dict[str, int]:
         """Per expert (``layers.0.mlp.experts.3``; fused rows and ModuleList members alike, core/
         experts.py): how many ranks of the group routed tokens to it this step."""
-        return self.experts.presence(self.presence) if self.experts is not None else {}
+        experts = getattr(self, "_experts", None)
+        return experts.presence(self.presence) if experts is not None else {}
 
     @property
     def dead_experts(self) -> int:

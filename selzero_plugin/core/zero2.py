@@ -471,7 +471,7 @@ class SelectedZero2:
             self.collectives.all_gather_updated(decision.update)
             self.window.bindings.record()
         result = StepResult(decision.global_weight, decision.updated, decision.skipped_absent,
-                            decision.skipped_nonfinite, decision.presence, self.experts)
+                            decision.skipped_nonfinite, decision.presence).naming(self.experts)
         if self.comm.rank == 0 and logger.isEnabledFor(logging.DEBUG):
             self._log_step(result)
         self.window.finish_step()
