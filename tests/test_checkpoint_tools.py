@@ -423,3 +423,21 @@ def test_several_checkpoints_below_a_folder_are_listed_newest_last(tmp_path):
     (tmp_path / "latest").write_text("checkpoint-9")  # DeepSpeed's newest tag
     with pytest.raises(CheckpointError, match=r"checkpoint-9` \(the `latest` tag\)"):
         locate(tmp_path, tool="inspect")
+
+
+def test_an_export_that_cannot_be_written_is_a_one_line_error(ckpt2, tmp_path, capsys):
+    """Review finding: --torch-state-dict onto a folder raised torch.save's RuntimeError."""
+    (tmp_path / "adir").mkdir()
+    for flag in ("torch_state_dict", "torch_optim_state"):
+        code = tools.run_consolidate(str(ckpt2), out=str(tmp_path / "ok.safetensors"),
+                                     **{"torch_state_dict": None, flag: str(tmp_path / "adir")})
+        assert code == 1, flag
+        assert "selzero consolidate: error:" in capsys.readouterr().err
+
+
+def test_an_interrupted_replacement_names_the_previous_checkpoint(tmp_path, capsys):
+    source = _root_checkpoint(tmp_path / "checkpoint-1")
+    (source / "selected_zero2").rename(source / "selected_zero2.previous")
+    assert tools.run_inspect(str(source), verify_shards=False) == 1
+    err = capsys.readouterr().err
+    assert "selected_zero2.previous does" in err and "Rename it to selected_zero2" in err

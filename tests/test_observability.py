@@ -173,6 +173,13 @@ def test_fused_rows_and_module_list_members_are_named_alike():
                                 "fused_experts.1", "fused_experts.2")
     assert "gate.weight[expert 0]" in sz.virtual_names
     sz.remove_hooks()
+    # a fused (E, out, in) tensor holds experts whatever its module is called (`ffn`)
+    model.ffn = model.fused_experts
+    del model.fused_experts
+    sz = SelectedZero2(model, {"params": ["ffn.*", "gate.*"], "expert_dim": 0},
+                       torch.optim.SGD, {"lr": 0.1})
+    assert sz.experts.names == ("ffn.0", "ffn.1", "ffn.2")
+    sz.remove_hooks()
 
 
 def test_version_and_the_launchers_whole_help(capsys, monkeypatch):

@@ -44,6 +44,13 @@ def locate(folder: str | Path, *, tool: str) -> Path:
     path = Path(folder)
     if not path.is_dir() or is_staging(path) or _is_checkpoint(path):
         return path
+    for name in (FOLDER, ""):  # an interrupted replacement left only the previous one
+        previous = path / f"{name}.previous" if name else path.with_name(f"{path.name}.previous")
+        if (previous / INDEX).is_file() or (previous / MANIFEST_NAME).is_file():
+            raise CheckpointError(
+                f"{path} holds no complete checkpoint, but {previous} does: a replacement (a "
+                "save over it, `selzero reshard --force`) was interrupted. Rename it to "
+                f"{previous.name[:-len('.previous')]} to use it.")
     found = sorted(_candidates(path, _DEPTH), key=_natural)
     if len(found) > 1:
         listed = "\n  ".join(str(p) for p in found[:20])

@@ -110,7 +110,7 @@ def reshard_root(root: Path, world_size: int, ep_size: int | None, out: Path, *,
         _write_index(staging, {**check_layout(described, world_size), "save_id": save_id})
         old = None
         if out.exists() and any(out.iterdir()):  # --force: the old one goes once this is whole
-            old = out.with_name(f"{out.name}.previous")  # what loads fall back to (atomic.py)
+            old = out.with_name(f"{out.name}.previous")  # the tools name it if left behind
             if old.exists():
                 shutil.rmtree(old)
             out.rename(old)

@@ -287,6 +287,8 @@ def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], *,
     ``folder``: an instance folder, or a selzero folder / host checkpoint holding one instance."""
     path, manifest = open_checkpoint(_one_instance(Path(folder)))
     _require_valid(path, manifest)
+    if torch_state_dict is not None:
+        _check_model_export(manifest, path)  # before anything is written
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
@@ -316,14 +318,7 @@ def export_model_state(consolidated: str | os.PathLike[str],
     to the parameter's dtype. Under expert parallelism the names are the global ones (the
     one-process model's)."""
     manifest = read_consolidated_manifest(consolidated)
-    ep = manifest.expert_parallel
-    if ep is not None and ep[1] > 1:
-        raise CheckpointError(
-            f"{consolidated}: one of {ep[1]} expert-parallel instances, holding some of the "
-            "experts only, so its tensors are not the model's (a fused tensor has fewer rows). "
-            "Reshard the selzero folder to one expert-parallel rank first (`selzero reshard "
-            "CKPT/selected_zero2 --world-size 1 --ep-size 1 --out ONE`), then consolidate ONE "
-            "with --torch-state-dict.")
+    _check_model_export(manifest, Path(consolidated))
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(consolidated), framework="pt") as f:
         for entry in manifest.entries:
@@ -346,6 +341,17 @@ def export_model_state(consolidated: str | os.PathLike[str],
     else:
         torch.save(tensors, out)
     return out
+
+
+def _check_model_export(manifest: Manifest, where: Path) -> None:
+    ep = manifest.expert_parallel
+    if ep is not None and ep[1] > 1:
+        raise CheckpointError(
+            f"{where}: one of {ep[1]} expert-parallel instances, holding some of the experts "
+            "only, so its tensors are not the model's (a fused tensor has fewer rows). Reshard "
+            "the selzero folder to one expert-parallel rank first (`selzero reshard "
+            "CKPT/selected_zero2 --world-size 1 --ep-size 1 --out ONE`), then consolidate ONE "
+            "with --torch-state-dict.")
 
 
 def _one_instance(folder: Path) -> Path:
@@ -759,7 +765,7 @@ def run_consolidate(folder: str, *, out: str, torch_state_dict: str | None,
         folder = _located(folder, "consolidate")
         written = consolidate(folder, out, torch_state_dict=torch_state_dict,
                               torch_optim_state=torch_optim_state)
-    except (CheckpointError, OSError) as e:
+    except (CheckpointError, OSError, RuntimeError) as e:  # torch.save: RuntimeError
         print(f"selzero consolidate: error: {e}", file=sys.stderr)
         return 1
     extra = [p for p in (torch_state_dict, torch_optim_state) if p]

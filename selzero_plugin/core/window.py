@@ -529,11 +529,17 @@ class ReductionWindow:
         if late and self.comm.rank == 0:
             # The whole model as the unit (a model that is one MoE block) ends its backward with
             # the backward itself: launching then costs nothing, so that is no warning.
-            log = logger.info if units == [ROOT_NAME] else logger.warning
-            log("selzero %r: %d of %d bucket(s) launch at the end of backward, their full FP32 "
-                "gradients held until then: launch unit(s) %s did not fire (inputs that need no "
-                "gradient?); set launch_modules to modules whose inputs need one.",
-                self.config.name, len(late), len(self.layout.buckets), units[:5])
+            if units == [ROOT_NAME]:
+                logger.info("selzero %r: %d of %d bucket(s) launch at the end of backward: their "
+                            "launch unit is the whole model %s, whose backward ends with it "
+                            "(nothing is held longer; nothing to change).", self.config.name,
+                            len(late), len(self.layout.buckets), units)
+            else:
+                logger.warning(
+                    "selzero %r: %d of %d bucket(s) launch at the end of backward, their full "
+                    "FP32 gradients held until then: launch unit(s) %s did not fire (inputs "
+                    "that need no gradient?); set launch_modules to modules whose inputs need "
+                    "one.", self.config.name, len(late), len(self.layout.buckets), units[:5])
 
     # ---- local micro-steps -----------------------------------------------------------------
 
