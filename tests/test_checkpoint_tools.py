@@ -30,6 +30,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def _in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``selzero ARGS`` in this process (no interpreter start: suite time), like ``_cli``."""
+    from selzero_plugin.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
@@ -187,13 +197,13 @@ def test_reshard_and_consolidate_commands(ckpt2, tmp_path):
     assert result.returncode == 1 and "no checkpoint at" in result.stderr
 
 
-def test_the_model_export_is_in_the_models_names_and_shapes(ckpt2, tmp_path):
+def test_the_model_export_is_in_the_models_names_and_shapes(ckpt2, tmp_path, capsys):
     """--torch-state-dict: model.load_state_dict(sd, strict=False) takes it: canonical and tied
     names, fused experts stacked back into (E, ...), the parameter's dtype; frozen left out."""
     m = synth.manifest(2)
     for suffix in ("safetensors", "pt"):
         out = tmp_path / f"model.{suffix}"
-        assert _cli("consolidate", str(ckpt2), "--out", str(tmp_path / "full.safetensors"),
+        assert _in_process(capsys, "consolidate", str(ckpt2), "--out", str(tmp_path / "full.safetensors"),
                     "--torch-state-dict", str(out)).returncode == 0
         sd = load_file(out) if suffix == "safetensors" else torch.load(out, weights_only=True)
         assert sorted(sd) == ["a.weight", "b.bias", "moe.w", "tied.weight"]
@@ -221,37 +231,37 @@ def _two_levels_down(ckpt: Path, parent: Path, name: str) -> Path:
     return Path(shutil.copytree(ckpt, parent / "run" / name))
 
 
-def test_a_parent_folder_holding_one_checkpoint_stands_for_it(ckpt2, tmp_path):
+def test_a_parent_folder_holding_one_checkpoint_stands_for_it(ckpt2, tmp_path, capsys):
     """`selzero demo --out DIR`, a Trainer output folder, a DeepSpeed save folder: the tools
     find the one checkpoint below instead of calling the folder an incomplete save."""
     parent = tmp_path / "out"
     inner = _two_levels_down(ckpt2, parent, "selected_zero2")
-    result = _cli("inspect", str(parent))
+    result = _in_process(capsys, "inspect", str(parent))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"the checkpoint in {parent} is {inner}" in result.stderr
     assert "group size 2 rank(s)" in result.stdout
-    assert _cli("reshard", str(parent), "--world-size", "3", "--out",
+    assert _in_process(capsys, "reshard", str(parent), "--world-size", "3", "--out",
                 str(tmp_path / "r3")).returncode == 0
     assert read_manifest(tmp_path / "r3").group_size == 3
-    assert _cli("consolidate", str(parent), "--out", str(tmp_path / "f.safetensors")
+    assert _in_process(capsys, "consolidate", str(parent), "--out", str(tmp_path / "f.safetensors")
                 ).returncode == 0
     _two_levels_down(ckpt2, parent, "second")
-    result = _cli("inspect", str(parent))
+    result = _in_process(capsys, "inspect", str(parent))
     assert result.returncode == 1 and "holds 2 checkpoints; name the one you mean" in \
         result.stderr and str(inner) in result.stderr
 
 
-def test_reshard_onto_an_existing_folder_needs_force(ckpt2, tmp_path):
+def test_reshard_onto_an_existing_folder_needs_force(ckpt2, tmp_path, capsys):
     out = tmp_path / "ckpt3"
-    assert _cli("reshard", str(ckpt2), "--world-size", "3", "--out", str(out)).returncode == 0
+    assert _in_process(capsys, "reshard", str(ckpt2), "--world-size", "3", "--out", str(out)).returncode == 0
     before = _files(out)
-    result = _cli("reshard", str(ckpt2), "--world-size", "4", "--out", str(out))
+    result = _in_process(capsys, "reshard", str(ckpt2), "--world-size", "4", "--out", str(out))
     assert result.returncode == 1 and "pass --force to replace it" in result.stderr
     assert _files(out) == before
-    result = _cli("reshard", str(ckpt2), "--world-size", "4", "--out", str(out), "--force")
+    result = _in_process(capsys, "reshard", str(ckpt2), "--world-size", "4", "--out", str(out), "--force")
     assert result.returncode == 0, result.stderr
     assert read_manifest(out).group_size == 4
-    result = _cli("reshard", str(ckpt2), "--world-size", "3", "--out", str(ckpt2), "--force")
+    result = _in_process(capsys, "reshard", str(ckpt2), "--world-size", "3", "--out", str(ckpt2), "--force")
     assert result.returncode == 1 and "overlaps the checkpoint being read" in result.stderr
     assert read_manifest(ckpt2).group_size == 2
 

@@ -28,7 +28,7 @@ from .dist_utils import all_values, run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-ROUNDS = 4  # of two concurrent launches each
+ROUNDS = 3  # of two concurrent launches each (benchmarks/exit_stress.py: hundreds)
 
 ACCELERATE_SCRIPT = '''
 import torch
