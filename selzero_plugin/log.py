@@ -22,10 +22,11 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from .config import ENV_LOG_LEVEL  # (not a config field: config.from_env skips it)
+
 __all__ = ["LOGGER_NAME", "ENV_LOG_LEVEL", "logger", "install", "describe"]
 
 LOGGER_NAME = "selzero_plugin"
-from .config import ENV_LOG_LEVEL  # noqa: E402 - not a config field
 logger = logging.getLogger(LOGGER_NAME)
 _HANDLER_MARK = "_selzero_handler"
 

@@ -44,6 +44,7 @@ from torch import nn
 from .checkpoint.format import ELEMENTWISE, SCALAR, probe_state_shaped
 from .config import SelZeroConfig
 from .core.layout import EntrySpec, plan_layout
+from .core.optim import ELEMENTWISE as ELEMENTWISE_OPTIMIZERS
 from .core.optim import check_admitted, override_class, plan_groups, resolve_optimizer_class
 from .core.ownership import balance
 from .core.zero2 import plan_virtual_owners, probe_groups, virtual_costs
@@ -142,9 +143,8 @@ def plan_memory(model: nn.Module, config: SelZeroConfig | dict[str, Any], world_
 def _dense_ddp_bytes(params: list[nn.Parameter], cls: type, kwargs: dict[str, Any]) -> int:
     """The host's parameters under DDP, alike: FP32 gradient, state (the subset's class when it
     is elementwise, else AdamW, the usual host), an FP32 master for bf16/fp16 weights."""
-    from .core.optim import ELEMENTWISE
-
-    host, host_kwargs = (cls, kwargs) if cls in ELEMENTWISE else (torch.optim.AdamW, {})
+    host, host_kwargs = (cls, kwargs) if cls in ELEMENTWISE_OPTIMIZERS else \
+        (torch.optim.AdamW, {})
     specs = probe_state_shaped(host, {}, host_kwargs, torch.device("cpu"), (1,)) if params \
         else {}
     return sum(4 * p.numel() + (4 * p.numel() if p.dtype != torch.float32 else 0)
