@@ -60,7 +60,10 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "selzero_plugin"])
+        # torch._dynamo: torch imports it on the first manual_seed or optimizer step (~1 s of
+        # CPU per rank process when each child did it)
+        _CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
+                                     "selzero_plugin"])
     return _CTX
 
 
