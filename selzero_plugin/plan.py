@@ -297,16 +297,41 @@ def _slot_state_bytes(specs: dict[str, Any], numel: int) -> int:
 
 
 def rank_plans(layout: Any, trainable: list[Any], specs: list[dict[str, Any]]) -> list[RankPlan]:
-    """Every rank's bytes over its slots (the engine's layout, or one planned alike)."""
-    ranks = []
-    for r in range(layout.world_size):
-        slots = layout.shard_slots(r)
-        entry = [layout.virtuals[s.virtual].entry for s in slots]
-        numel = sum(s.numel for s in slots)
-        low = sum(s.numel for s, t in zip(slots, entry)
-                  if trainable[t].param.dtype != torch.float32)
-        state_bytes = sum(_slot_state_bytes(specs[t], s.numel) for s, t in zip(slots, entry))
-        ranks.append(RankPlan(r, 4 * numel, state_bytes, 4 * low))
+    """Every rank's bytes over its slots (the engine's layout, or one planned alike).
+
+    O(virtual parameters + N): chunked virtual parameters of one entry have one size, so rank
+    r holds ``chunk_numel`` of each up to the last full chunk, the remainder on one rank and
+    nothing after it ([Note: layout]); each distinct (entry, size) is added to those ranks once,
+    not rank by rank over every virtual parameter (which was O(N x virtual parameters): 22 s for
+    12,288 experts at N=256)."""
+    n = layout.world_size
+    grad, state, low = [0] * (n + 1), [0] * (n + 1), [0] * (n + 1)  # difference arrays
+
+    def add(first: int, stop: int, t: int, numel: int, copies: int) -> None:
+        if numel <= 0 or first >= stop:
+            return
+        cost = (4 * numel * copies, _slot_state_bytes(specs[t], numel) * copies,
+                4 * numel * copies * (trainable[t].param.dtype != torch.float32))
+        for diff, value in zip((grad, state, low), cost):
+            diff[first] += value
+            diff[stop] -= value
+
+    chunked: dict[tuple[int, int, int], int] = {}
+    for v in layout.virtuals:
+        if v.owner is not None:
+            add(v.owner, v.owner + 1, v.entry, v.numel, 1)
+        else:
+            key = (v.entry, v.numel, v.chunk_numel)
+            chunked[key] = chunked.get(key, 0) + 1
+    for (t, numel, chunk), copies in chunked.items():
+        full = min(n, numel // chunk) if chunk > 0 else 0
+        add(0, full, t, chunk, copies)
+        if full < n:
+            add(full, full + 1, t, numel - full * chunk, copies)
+    ranks, totals = [], [0, 0, 0]
+    for r in range(n):
+        totals = [a + d[r] for a, d in zip(totals, (grad, state, low))]
+        ranks.append(RankPlan(r, totals[0], totals[1], totals[2]))
     return ranks
 
 
