@@ -185,31 +185,23 @@ def _rank_plans_slot_by_slot(layout, trainable, specs):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-groups", "muon-tensors"])
 @pytest.mark.parametrize("world", [1, 2, 5, 16, 37, 300])
-def test_rank_plans_equal_the_slot_by_slot_sum_at_any_world_size(optimizer, world):
+def test_rank_plans_equal_the_slot_by_slot_sum_at_any_world_size(optimizer, world, monkeypatch):
     """rank_plans sums each (entry, size) over ranks at once: the same figures as summing
     every rank's slots, also where ranks outnumber a virtual parameter's elements (37, 300:
     empty chunks) and where the last chunk is short."""
-    from selzero_plugin.config import SelZeroConfig
-    from selzero_plugin.core.layout import EntrySpec, plan_layout
-    from selzero_plugin.core.optim import plan_groups
-    from selzero_plugin.core.selection import resolve_selection
-    from selzero_plugin.core.zero2 import plan_virtual_owners, probe_groups
-    from selzero_plugin.plan import _state_specs, rank_plans
+    import selzero_plugin.plan as plan_module
 
+    seen = []
+    real = plan_module.rank_plans
+
+    def spy(layout, trainable, specs):
+        seen.append((layout, trainable, specs))
+        return real(layout, trainable, specs)
+
+    monkeypatch.setattr(plan_module, "rank_plans", spy)
     cls, kwargs = OPTIMIZERS[optimizer]
-    config = SelZeroConfig.from_dict(_config(optimizer))
     with torch.device("meta"):
         model = Net()
-    trainable = [e for e in resolve_selection(model, params=list(config.params), modules=[],
-                                              expert_dim=config.expert_dim) if not e.frozen]
-    groups = plan_groups(trainable, kwargs, list(config.param_groups), cls)
-    owners = None
-    if config.partition == "tensors":
-        probe_groups(trainable, groups, cls, kwargs)
-        owners = plan_virtual_owners(trainable, groups, cls, world)
-    layout = plan_layout([EntrySpec(e.param.numel(), str(e.param.dtype), e.num_experts or 1,
-                                    e.num_experts is not None) for e in trainable],
-                         world, int(config.bucket_mb * 2 ** 20), owners=owners)
-    specs = _state_specs(trainable, groups, cls, kwargs, owned=owners is not None)
-    assert rank_plans(layout, trainable, specs) == \
-        _rank_plans_slot_by_slot(layout, trainable, specs)
+    plan = plan_memory(model, _config(optimizer), world, cls, kwargs)
+    (layout, trainable, specs), = seen
+    assert plan.ranks == _rank_plans_slot_by_slot(layout, trainable, specs)
