@@ -8,7 +8,11 @@ exists), then the save timed on every rank (the slowest rank counts), the bytes 
 whole checkpoint folder), then a load into the same engine timed the same way. selzero + DDP
 saves only selzero's part (``checkpoint.host.save_into``: shards + manifests + index); the
 dense parameters and their optimizer are the host's (torch.save of their state dicts here, as
-a plain DDP script would). Medians over rounds.
+a plain DDP script would). ``dcp`` saves the same state with
+``torch.distributed.checkpoint.save`` / ``load``: selzero's shards as they are (each virtual
+parameter's value and moments a ``DTensor`` sharded on dim 0 over the ranks, whose chunks are
+selzero's; the step counts replicated), beside the same host file. Medians over rounds; peak
+RSS growth is how far the save or the load raised the process's high-water mark.
 """
 
 from __future__ import annotations
@@ -28,11 +32,56 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench import (WORKLOADS, _batch, _loss, build_model, deepspeed_engine,  # noqa: E402
                    is_expert)
 
-MODES = ["selzero", "deepspeed", "deepspeed-sz"]
+MODES = ["selzero", "dcp", "deepspeed", "deepspeed-sz"]
 
 
 def _folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _dcp_state(sz: Any, world: int) -> dict[str, Any]:
+    """selzero's state as DCP holds sharded state: per virtual parameter, its value and
+    moments as DTensors sharded on dim 0 (DTensor's uneven chunks are selzero's:
+    ceil(numel / N) per rank, the last ones shorter or empty), the step count replicated.
+    The local tensors are the live segments and state, so a load writes into them."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    slot_of = {slot.virtual: i for i, slot in enumerate(sz.slots)}
+    state: dict[str, Any] = {}
+    for v in sz.layout.virtuals:
+        name = sz.virtual_name(v.index)
+        i = slot_of.get(v.index)
+        seg = sz.segments[i] if i is not None else None
+        held = sz.optimizer.state.get(seg, {}) if seg is not None else {}
+        for key in ("value", "exp_avg", "exp_avg_sq"):
+            if seg is None:
+                local = torch.empty(0)
+            else:
+                local = (seg.data if key == "value" else held[key]).view(-1)
+            state[f"{name}/{key}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                       shape=(v.numel,), stride=(1,))
+        if "step" in held:
+            state[f"{name}/step"] = held["step"]
+    return state
+
+
+def _live_tensors(sz: Any) -> list[Any]:
+    """selzero's segments (values) and their optimizer state tensors, moments and steps."""
+    out = []
+    for seg in sz.segments:
+        out.append(seg.data)
+        held = sz.optimizer.state.get(seg, {})
+        out += [held[k] for k in sorted(held) if hasattr(held[k], "zero_")]
+    return out
 
 
 def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, out: str) -> None:
@@ -50,7 +99,7 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
     batch = _batch(spec, rank, mode, "cpu")
     kwargs = {"lr": 1e-4, "weight_decay": 0.1}
     folder = Path(work) / "ckpt"
-    if mode == "selzero":
+    if mode in ("selzero", "dcp"):
         from selzero_plugin import SelectedZero2, wrap_ddp
         from selzero_plugin.checkpoint.host import load_from, save_into
 
@@ -62,17 +111,37 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
         host.step()
         sz.step()
 
-        def save() -> None:
-            save_into(folder, [sz])
+        def save_host() -> None:
             if rank == 0:
                 torch.save({"model": {n: p for n, p in model.named_parameters()
                                       if not is_expert(spec, n)},
                             "optimizer": host.state_dict()}, folder / "host.pt")
 
-        def load() -> None:
+        def load_host() -> None:
             state = torch.load(folder / "host.pt", weights_only=True)
             host.load_state_dict(state["optimizer"])
-            load_from(folder, [sz])
+
+        if mode == "selzero":
+            def save() -> None:
+                save_into(folder, [sz])
+                save_host()
+
+            def load() -> None:
+                load_host()
+                load_from(folder, [sz])
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            state = _dcp_state(sz, world)
+
+            def save() -> None:
+                folder.mkdir(parents=True, exist_ok=True)
+                dcp.save(state, checkpoint_id=str(folder / "dcp"))
+                save_host()
+
+            def load() -> None:
+                load_host()
+                dcp.load(state, checkpoint_id=str(folder / "dcp"))
     else:
         engine = deepspeed_engine(model, kwargs, {"params": ["*.experts.*"]}
                                   if mode == "deepspeed-sz" else None)
@@ -85,14 +154,26 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
         def load() -> None:
             engine.load_checkpoint(str(folder), tag="t")
 
+    live = _live_tensors(sz) if mode in ("selzero", "dcp") else []
+    saved = [t.clone() for t in live]
     times = {}
     for name, fn in (("save", save), ("load", load)):
+        if name == "load":  # the load must bring back what was saved: wiped first, not timed
+            for t in live:
+                t.zero_()
         dist.all_reduce(torch.zeros(1))
+        before = _peak_rss()
         t0 = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - t0, _peak_rss() - before],
+                               dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times[name] = float(elapsed)
+        times[name] = float(elapsed[0])
+        times[f"{name}_rss"] = float(elapsed[1])
+    if live:  # (the load may put new tensors in place: read them again)
+        loaded = _live_tensors(sz)
+        assert len(loaded) == len(saved) and all(
+            torch.equal(a, b) for a, b in zip(loaded, saved)), f"{mode}: the load differs"
     if rank == 0:
         Path(out).write_text(json.dumps({"mode": mode, **times,
                                          "bytes": _folder_bytes(folder)}))
@@ -107,13 +188,15 @@ def main() -> int:
     parser.add_argument("--workload", default="a")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
+    modes = args.modes.split(",")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     spec = WORKLOADS[args.workload]
     rounds = []
     for r in range(args.rounds):
         row = {}
-        for mode in MODES:
+        for mode in modes:
             with tempfile.TemporaryDirectory() as work:
                 out = os.path.join(work, "result.json")
                 mp.start_processes(_worker, nprocs=args.world, start_method="spawn",
@@ -121,17 +204,24 @@ def main() -> int:
                 row[mode] = json.loads(Path(out).read_text())
         rounds.append(row)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{m} save {row[m]['save']:.2f} s load {row[m]['load']:.2f} s" for m in MODES),
+            f"{m} save {row[m]['save']:.2f} s load {row[m]['load']:.2f} s" for m in modes),
             file=sys.stderr)
     lines = [f"### Checkpoint save / load, workload {args.workload}, {args.world} gloo ranks, "
              f"median over {args.rounds} rounds (slowest rank)", "",
-             "| mode | save s | load s | bytes on disk | save vs deepspeed |", "|---|---|---|---|---|"]
-    for mode in MODES:
+             "| mode | save s | load s | bytes on disk | save vs dcp | load vs dcp | "
+             "save vs deepspeed | peak RSS growth save / load (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode in modes:
         save = statistics.median(rd[mode]["save"] for rd in rounds)
         load = statistics.median(rd[mode]["load"] for rd in rounds)
-        ratio = statistics.median(rd[mode]["save"] / rd["deepspeed"]["save"] for rd in rounds)
+        ratio = {(op, peer): f"{statistics.median(rd[mode][op] / rd[peer][op] for rd in rounds):.2f}"
+                 if peer in modes else "n/a" for op in ("save", "load") for peer in ("dcp", "deepspeed")}
+        rss = [statistics.median(rd[mode][f"{op}_rss"] for rd in rounds) / 2 ** 20
+               for op in ("save", "load")]
         lines.append(f"| {mode} | {save:.2f} | {load:.2f} | "
-                     f"{rounds[0][mode]['bytes'] / 1e6:.1f} MB | {ratio:.2f} |")
+                     f"{rounds[0][mode]['bytes'] / 1e6:.1f} MB | {ratio['save', 'dcp']} | "
+                     f"{ratio['load', 'dcp']} | {ratio['save', 'deepspeed']} | "
+                     f"{rss[0]:.1f} / {rss[1]:.1f} |")
     lines += ["", "Command: `" + " ".join(["benchmarks/checkpoint_time.py", *sys.argv[1:]]) + "`",
               ""]
     text = "\n".join(lines)
