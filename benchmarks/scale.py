@@ -27,6 +27,7 @@ leave in the buckets and gather rows are whatever was there (the figures are hos
 results).
 
     benchmarks/scale.py [--worlds 8,64,256] [--layers 48] [--width 32] [--steps 5]
+        [--partition chunks|tensors]
         [--out benchmarks/results/scale.json] [--md benchmarks/results/scale.md]
         [--png benchmarks/results/scale.png]
 """
@@ -84,7 +85,8 @@ def mirror_peers() -> None:
     ReductionWindow._agree = agree
 
 
-def one_world(world: int, rank: int, layers: int, width: int, steps: int) -> dict[str, Any]:
+def one_world(world: int, rank: int, layers: int, width: int, steps: int,
+              partition: str = "chunks") -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -95,7 +97,7 @@ def one_world(world: int, rank: int, layers: int, width: int, steps: int) -> dic
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         model = build_model(layers, width)
-        config = {"params": ["*.mlp.experts.*"], "expert_dim": 0}
+        config = {"params": ["*.mlp.experts.*"], "expert_dim": 0, "partition": partition}
         kwargs = {"lr": 1e-4, "weight_decay": 0.1}
         experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
         for p in model.parameters():
@@ -144,7 +146,7 @@ def one_world(world: int, rank: int, layers: int, width: int, steps: int) -> dic
         mine = planned.ranks[rank]
         copy_in = statistics.median(backward[1:]) - statistics.median(plain)
         return {
-            "world": world, "rank": rank, "tensors": len(experts), "subset_elements": subset,
+            "world": world, "rank": rank, "partition": partition, "tensors": len(experts), "subset_elements": subset,
             "virtual_parameters": len(layout.virtuals),
             "build_s": build_s, "plan_s": plan_s,
             "report_total": report.total, "plan_total": mine.total,
@@ -157,21 +159,23 @@ def one_world(world: int, rank: int, layers: int, width: int, steps: int) -> dic
             "agreement_elements": sz.window.control.size,
             "copy_in_ms": 1e3 * copy_in, "step_ms": 1e3 * statistics.median(step[1:]),
             "plain_backward_ms": 1e3 * statistics.median(plain),
-            "save_s": save_s, "manifest_bytes": manifest, "shard_bytes": shards,
+            "segments": len(sz.segments), "save_s": save_s, "manifest_bytes": manifest, "shard_bytes": shards,
         }
     finally:
         dist.destroy_process_group()
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("| N | build s | plan s | bytes/rank | vs plan | vs ideal | buckets | padding | "
-            "agreement (int64) | copy-in ms | step() ms | manifest | shard |")
-    out = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1)]
+    head = ("| N | partition | build s | plan s | bytes/rank | vs plan | vs ideal | buckets | "
+            "padding | segments/rank | agreement (int64) | copy-in ms | step() ms | manifest | "
+            "shard |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(
-            f"| {r['world']} | {r['build_s']:.2f} | {r['plan_s']:.2f} | {r['report_total']:,} | "
+            f"| {r['world']} | {r['partition']} | {r['build_s']:.2f} | {r['plan_s']:.2f} | {r['report_total']:,} | "
             f"{'equal' if r['report_equals_plan'] else 'DIFFERS'} | {r['report_vs_ideal']:.4f} | "
             f"{r['buckets']} | {r['padding_elements']:,} ({100 * r['padding_fraction']:.3f}%) | "
+            f"{r['segments']:,} | "
             f"{r['agreement_elements']:,} | {r['copy_in_ms']:.1f} | {r['step_ms']:.1f} | "
             f"{r['manifest_bytes']:,} B | {r['shard_bytes']:,} B |")
     return "\n".join(out)
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--partition", default="chunks", choices=["chunks", "tensors"])
     parser.add_argument("--out")
     parser.add_argument("--md")
     parser.add_argument("--png")
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
         rows.append(one_world(world, min(args.rank, world - 1), args.layers, args.width,
-                              args.steps))
+                              args.steps, args.partition))
         print(json.dumps(rows[-1]), flush=True)
     command = "benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.out:
