@@ -4,7 +4,11 @@
 interpreter shutdown, issue 20 item 1). A launch that fails to start (a port already taken) is
 counted apart.
 
-    .venv/bin/python benchmarks/exit_stress.py --rounds 30 --parallel 4
+    .venv/bin/python benchmarks/exit_stress.py --rounds 30 --parallel 4 [--variant V]
+
+Variants: ``leave_now`` (the README as written), ``destroy`` (the same program ending with
+``dist.destroy_process_group()``), ``ddp-destroy`` (plain DDP over the whole model, no selzero,
+ending with ``destroy_process_group()``: the baseline).
 """
 
 from __future__ import annotations
@@ -27,16 +31,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _plain_ddp(example: str) -> str:
+    lines = example.replace("leave_now()", "dist.destroy_process_group()").splitlines()
+    out = []
+    for line in lines:
+        if line.startswith("sz = SelectedZero2"):
+            continue
+        if line.startswith("ddp = wrap_ddp"):
+            line = ("ddp = torch.nn.parallel.DistributedDataParallel(model, "
+                    "find_unused_parameters=True)")
+        if "result = sz.step()" in line:
+            continue
+        out.append(line.replace("{result.updated}", "all"))
+    return "\n".join(out) + "\n"
+
+
+VARIANTS = {"leave_now": lambda example: example,
+            "destroy": lambda example: example.replace("leave_now()",
+                                                       "dist.destroy_process_group()"),
+            "ddp-destroy": _plain_ddp}
+
+
 def main() -> int:
     from tests.test_exit_codes import _readme_example
 
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--variant", default="leave_now", choices=list(VARIANTS))
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="selzero-exit-"))
     script = work / "readme_example.py"
-    script.write_text(_readme_example())
+    script.write_text(VARIANTS[args.variant](_readme_example()))
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     total = bad = aborts = unstarted = 0
@@ -54,7 +80,7 @@ def main() -> int:
             bad += proc.returncode != 0
             aborts += "terminate called" in out
     started = total - unstarted
-    print(f"launches {total} (started {started}): not exit 0 {bad}, aborted {aborts}; "
+    print(f"{args.variant}: launches {total} (started {started}): not exit 0 {bad}, aborted {aborts}; "
           f"ratio {bad / max(started, 1):.3f}")
     return 0
 

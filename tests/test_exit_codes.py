@@ -166,3 +166,41 @@ def _waited_works(rank: int, world: int) -> dict[str, Any]:
 def test_every_work_selzero_waited_for_stays_with_its_communicator():
     for run in all_values(run_ranks(_waited_works, 2, timeout=120)):
         assert run["works"] > 4 and run["kept"] == run["works"], run
+
+
+_GRACE_SCRIPT = '''
+import os, time, torch, torch.distributed as dist
+import selzero_plugin.process_exit as process_exit
+from selzero_plugin import SelectedZero2
+from torch import nn
+
+def sleep(seconds):
+    print("grace", seconds, flush=True)  # at interpreter exit, before finalization
+
+process_exit.time.sleep = sleep  # (the module's reference to time: only its own calls)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % int(os.environ["PORT"]),
+                        rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+sz = SelectedZero2(model, {"params": ["1.*"]}, torch.optim.AdamW)
+model(torch.randn(2, 4)).sum().backward()
+sz.step()
+dist.destroy_process_group()
+print("end of program", flush=True)
+'''
+
+
+def test_a_process_that_built_selzero_pauses_at_exit_for_gloos_workers(tmp_path):
+    """[Note: gloo teardown]: a gloo worker that releases the program's last waited-for work
+    after the interpreter began finalizing aborts the process; selzero's atexit pause lets the
+    workers release while the interpreter is whole (a core dump showed
+    AsyncAllgatherWork::~AsyncAllgatherWork -> take_gil -> std::terminate). The pause must run
+    after the program's last line, at exit, once."""
+    (tmp_path / "grace.py").write_text(_GRACE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "grace.py")], cwd=tmp_path,
+                          env={**ENV, "PORT": str(_free_port())}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from selzero_plugin.process_exit import EXIT_GRACE_S
+
+    assert EXIT_GRACE_S >= 0.1
+    assert proc.stdout.splitlines() == ["end of program", f"grace {EXIT_GRACE_S}"], proc.stdout

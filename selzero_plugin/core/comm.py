@@ -82,6 +82,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..errors import CollectiveError, UsageError
+from ..process_exit import grace_at_exit
 
 __all__ = ["Communicator", "Work", "RowWork", "group_ranks", "shared_group"]
 
@@ -247,6 +248,7 @@ class Communicator:
         self.what = ""  # set by callers around a phase (e.g. "bucket 3 reduce-scatter")
         # works already waited for, kept so that no worker thread destroys them
         self.retired: collections.deque[Any] = collections.deque(maxlen=_RETAINED)
+        grace_at_exit()  # and the program's own: [Note: gloo teardown] in process_exit.py
 
     @classmethod
     def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device,
