@@ -22,37 +22,22 @@ after ``wait()`` returned; its tensors are Python objects, so that release takes
 if the interpreter is already finalizing the thread dies in the work's destructor (a core
 dump: ``AsyncAllgatherWork::~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
 ``pthread_exit`` -> ``std::terminate``). selzero cannot hold a work the program made itself,
-so once it has built a communicator it registers ``grace_at_exit``: at interpreter exit, while
-the interpreter is still whole (``atexit``), the main thread sleeps ``EXIT_GRACE_S`` without
-the GIL, and the worker threads finish their releases then. Measured on the README example
+so once it has built a communicator (``core/comm.py``: ``grace_at_exit``) a hook registered with
+``atexit`` runs at interpreter exit, while the interpreter is still whole: the main thread
+sleeps ``EXIT_GRACE_S`` without the GIL, and the worker threads finish their releases then. Measured on the README example
 ending with ``destroy_process_group()`` (``benchmarks/exit_stress.py --variant destroy``).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
-import threading
-import time
 import traceback
 from typing import Callable
 
-__all__ = ["exit_after", "leave_now", "grace_at_exit", "EXIT_GRACE_S"]
+from .core.comm import EXIT_GRACE_S
 
-EXIT_GRACE_S = 0.2  # [Note: gloo teardown]: time for worker threads to drop finished works
-_REGISTERED = threading.Event()
-
-
-def _grace() -> None:
-    time.sleep(EXIT_GRACE_S)  # releases the GIL: a worker waiting for it takes it now
-
-
-def grace_at_exit() -> None:
-    """Register, once per process, the pause at interpreter exit of [Note: gloo teardown]."""
-    if not _REGISTERED.is_set():
-        _REGISTERED.set()
-        atexit.register(_grace)
+__all__ = ["exit_after", "leave_now", "EXIT_GRACE_S"]
 
 
 def exit_after(main: Callable[[], int | None]) -> None:

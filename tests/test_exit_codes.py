@@ -169,15 +169,15 @@ def test_every_work_selzero_waited_for_stays_with_its_communicator():
 
 
 _GRACE_SCRIPT = '''
-import os, time, torch, torch.distributed as dist
-import selzero_plugin.process_exit as process_exit
+import os, torch, torch.distributed as dist
+import selzero_plugin.core.comm as comm
 from selzero_plugin import SelectedZero2
 from torch import nn
 
-def sleep(seconds):
-    print("grace", seconds, flush=True)  # at interpreter exit, before finalization
+def grace():
+    print("grace", comm.EXIT_GRACE_S, flush=True)  # at interpreter exit, before finalization
 
-process_exit.time.sleep = sleep  # (the module's reference to time: only its own calls)
+comm._exit_grace = grace
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % int(os.environ["PORT"]),
                         rank=0, world_size=1)
 model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

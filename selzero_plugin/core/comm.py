@@ -70,6 +70,7 @@ storages already freed (``resize_(0)``): keeping them costs no memory.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import hashlib
@@ -82,7 +83,6 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..errors import CollectiveError, UsageError
-from ..process_exit import grace_at_exit
 
 __all__ = ["Communicator", "Work", "RowWork", "group_ranks", "shared_group"]
 
@@ -169,6 +169,23 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _RETAINED = 512  # completed works a communicator keeps ([Note: work objects at exit])
+EXIT_GRACE_S = 0.2  # [Note: gloo teardown] (process_exit.py): for the program's own works
+_GRACE = threading.Event()
+
+
+def _exit_grace() -> None:
+    time.sleep(EXIT_GRACE_S)  # without the GIL: a worker thread waiting for it takes it now
+
+
+def _at_exit() -> None:
+    _exit_grace()  # looked up when the process exits
+
+
+def grace_at_exit() -> None:
+    """Register, once per process, the pause at interpreter exit of [Note: gloo teardown]."""
+    if not _GRACE.is_set():
+        _GRACE.set()
+        atexit.register(_at_exit)
 _GROUPS: dict[tuple[int, tuple[int, ...], float], Any] = {}
 _CREATED: dict[tuple[int, str, tuple[int, ...]], int] = {}
 _NAMING = threading.Lock()
