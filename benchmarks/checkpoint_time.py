@@ -11,8 +11,11 @@ dense parameters and their optimizer are the host's (torch.save of their state d
 a plain DDP script would). ``dcp`` saves the same state with
 ``torch.distributed.checkpoint.save`` / ``load``: selzero's shards as they are (each virtual
 parameter's value and moments a ``DTensor`` sharded on dim 0 over the ranks, whose chunks are
-selzero's; the step counts replicated), beside the same host file. Medians over rounds; peak
-RSS growth is how far the save or the load raised the process's high-water mark.
+selzero's; the step counts replicated), beside the same host file; its load ends with the
+all-gather that rebuilds the replicated parameters from the shards, as selzero's does. Medians
+over rounds. Peak RSS growth: the peak RSS (VmHWM, reset to the current RSS just before) minus
+the RSS before the operation. Each load is checked: the state, the shards and the whole
+expert parameters are zeroed first and must equal what was saved afterwards.
 """
 
 from __future__ import annotations
@@ -39,10 +42,22 @@ def _folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _peak_rss() -> int:
-    import resource
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+def _reset_peak_rss() -> int:
+    """Reset the peak RSS (VmHWM) to the current RSS; returns it in bytes. Without the reset
+    the process's earlier peak (training, the save) would hide what an operation adds."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _peak_rss() -> int:
+    return _status_kib("VmHWM") * 1024
 
 
 def _dcp_state(sz: Any, world: int) -> dict[str, Any]:
@@ -142,6 +157,9 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
             def load() -> None:
                 load_host()
                 dcp.load(state, checkpoint_id=str(folder / "dcp"))
+                # DCP fills this rank's shards; the replicated parameters are rebuilt from
+                # them as selzero's load does (its one all-gather)
+                sz.collectives.all_gather_updated([True] * len(sz.layout.virtuals))
     else:
         engine = deepspeed_engine(model, kwargs, {"params": ["*.experts.*"]}
                                   if mode == "deepspeed-sz" else None)
@@ -154,15 +172,16 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
         def load() -> None:
             engine.load_checkpoint(str(folder), tag="t")
 
-    live = _live_tensors(sz) if mode in ("selzero", "dcp") else []
+    experts = [p.data for n, p in model.named_parameters() if is_expert(spec, n)]
+    live = _live_tensors(sz) + experts if mode in ("selzero", "dcp") else []
     saved = [t.clone() for t in live]
     times = {}
     for name, fn in (("save", save), ("load", load)):
-        if name == "load":  # the load must bring back what was saved: wiped first, not timed
-            for t in live:
+        if name == "load":  # the load must bring back what was saved: wiped first (state,
+            for t in live:  # shards and the whole replicated parameters), not timed
                 t.zero_()
         dist.all_reduce(torch.zeros(1))
-        before = _peak_rss()
+        before = _reset_peak_rss()
         t0 = time.perf_counter()
         fn()
         elapsed = torch.tensor([time.perf_counter() - t0, _peak_rss() - before],
@@ -171,7 +190,7 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
         times[name] = float(elapsed[0])
         times[f"{name}_rss"] = float(elapsed[1])
     if live:  # (the load may put new tensors in place: read them again)
-        loaded = _live_tensors(sz)
+        loaded = _live_tensors(sz) + experts  # the full parameters too: every rank's chunks
         assert len(loaded) == len(saved) and all(
             torch.equal(a, b) for a, b in zip(loaded, saved)), f"{mode}: the load differs"
     if rank == 0:
