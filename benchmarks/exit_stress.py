@@ -7,8 +7,9 @@ counted apart.
     .venv/bin/python benchmarks/exit_stress.py --rounds 30 --parallel 4 [--variant V]
 
 Variants: ``leave_now`` (the README as written), ``destroy`` (the same program ending with
-``dist.destroy_process_group()``), ``ddp-destroy`` (plain DDP over the whole model, no selzero,
-ending with ``destroy_process_group()``: the baseline).
+``dist.destroy_process_group()``), ``destroy-nograce`` (the same without selzero's 0.2 s pause at
+interpreter exit: the pause's control), ``ddp-destroy`` (plain DDP over the whole model, no
+selzero, ending with ``destroy_process_group()``: the baseline).
 """
 
 from __future__ import annotations
@@ -46,10 +47,19 @@ def _plain_ddp(example: str) -> str:
     return "\n".join(out) + "\n"
 
 
-VARIANTS = {"leave_now": lambda example: example,
-            "destroy": lambda example: example.replace("leave_now()",
-                                                       "dist.destroy_process_group()"),
-            "ddp-destroy": _plain_ddp}
+def _destroy(example: str) -> str:
+    # the line that was leave_now() (selzero's end of a gloo program): the plain torch ending
+    return example.replace("leave_now()", "dist.destroy_process_group()")
+
+
+def _destroy_no_grace(example: str) -> str:
+    # the same without selzero's pause at exit ([Note: gloo teardown]): the pause's control
+    return "import selzero_plugin.core.comm as _comm\n_comm.EXIT_GRACE_S = 0\n" + \
+        _destroy(example)
+
+
+VARIANTS = {"leave_now": lambda example: example, "destroy": _destroy,
+            "destroy-nograce": _destroy_no_grace, "ddp-destroy": _plain_ddp}
 
 
 def main() -> int:

@@ -21,11 +21,17 @@ with gloo: a collective the program waited for last (the README example's
 after ``wait()`` returned; its tensors are Python objects, so that release takes the GIL, and
 if the interpreter is already finalizing the thread dies in the work's destructor (a core
 dump: ``AsyncAllgatherWork::~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
-``pthread_exit`` -> ``std::terminate``). selzero cannot hold a work the program made itself,
-so once it has built a communicator (``core/comm.py``: ``grace_at_exit``) a hook registered with
-``atexit`` runs at interpreter exit, while the interpreter is still whole: the main thread
-sleeps ``EXIT_GRACE_S`` without the GIL, and the worker threads finish their releases then. Measured on the README example
-ending with ``destroy_process_group()`` (``benchmarks/exit_stress.py --variant destroy``).
+``pthread_exit`` -> ``std::terminate``): the release checks that the interpreter is alive, then
+asks for the GIL, and finalization can begin in between. selzero cannot hold a work the program
+made itself, so in a process that built a communicator over a process group
+(``core/comm.py``: ``grace_at_exit``) a hook registered with ``atexit`` when ``core/comm.py`` is
+imported (so it runs after every hook registered later, a program's own final collective
+included) sleeps ``EXIT_GRACE_S`` at interpreter exit, without the GIL and while the interpreter
+is whole: a worker that is about to release a work gets the time to do it. Not in a process
+without a process group, nor in a child forked from one (the process id is checked). It is a
+time bound, not a guarantee: it narrows the window, and whether it removes the abort at ~1 in 50
+launches has not been measured yet (``benchmarks/exit_stress.py --variant destroy`` against
+``--variant destroy-nograce``, hundreds of launches each).
 """
 
 from __future__ import annotations

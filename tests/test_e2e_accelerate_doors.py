@@ -105,7 +105,10 @@ if sys.argv[1] == "with":
     callback = SelectedZero2Callback()  # the launcher's --selzero_config
 trainer = hf.build_trainer("qwen3", sys.argv[2], callback, steps=1)
 trainer.train()
-print("trained", type(trainer.accelerator.selzero).__name__)
+# one write per line: two ranks print to one pipe (print's pieces interleaved once:
+# "trainedtrained  SelectedZero2\\nSelectedZero2")
+sys.stdout.write("trained " + type(trainer.accelerator.selzero).__name__ + "\\n")
+sys.stdout.flush()
 hf.finish()
 """
 

@@ -169,38 +169,62 @@ def test_every_work_selzero_waited_for_stays_with_its_communicator():
 
 
 _GRACE_SCRIPT = '''
-import os, torch, torch.distributed as dist
+import os, sys, time as _time, torch, torch.distributed as dist
 import selzero_plugin.core.comm as comm
 from selzero_plugin import SelectedZero2
 from torch import nn
 
-def grace():
-    print("grace", comm.EXIT_GRACE_S, flush=True)  # at interpreter exit, before finalization
+class Clock:  # comm's time module, whose sleep says when it runs and in which process
+    def __getattr__(self, name):
+        return getattr(_time, name)
 
-comm._exit_grace = grace
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % int(os.environ["PORT"]),
-                        rank=0, world_size=1)
-model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-sz = SelectedZero2(model, {"params": ["1.*"]}, torch.optim.AdamW)
-model(torch.randn(2, 4)).sum().backward()
-sz.step()
-dist.destroy_process_group()
+    def sleep(self, seconds):
+        print("grace", seconds, "pid", "parent" if os.getpid() == PARENT else "child",
+              "finalizing", sys.is_finalizing(), flush=True)
+        _time.sleep(seconds)
+
+PARENT = os.getpid()
+comm.time = Clock()
+MODE = os.environ["MODE"]
+if MODE != "single":
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % int(os.environ["PORT"]),
+                            rank=0, world_size=1)
+models = []
+for name in ("a", "b"):  # two instances: still one pause
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    sz = SelectedZero2(model, {"params": ["1.*"], "name": name}, torch.optim.AdamW)
+    model(torch.randn(2, 4)).sum().backward()
+    sz.step()
+    models.append(sz)
+if MODE == "fork":  # a child forked after the build (no gloo threads of its own)
+    pid = os.fork()
+    if pid == 0:
+        print("child done", flush=True)
+        sys.exit(0)
+    os.waitpid(pid, 0)
+if MODE != "single":
+    dist.destroy_process_group()
 print("end of program", flush=True)
 '''
 
 
-def test_a_process_that_built_selzero_pauses_at_exit_for_gloos_workers(tmp_path):
+@pytest.mark.parametrize("mode", ["group", "single", "fork"])
+def test_a_process_that_built_selzero_pauses_at_exit_for_gloos_workers(tmp_path, mode):
     """[Note: gloo teardown]: a gloo worker that releases the program's last waited-for work
     after the interpreter began finalizing aborts the process; selzero's atexit pause lets the
     workers release while the interpreter is whole (a core dump showed
-    AsyncAllgatherWork::~AsyncAllgatherWork -> take_gil -> std::terminate). The pause must run
-    after the program's last line, at exit, once."""
+    AsyncAllgatherWork::~AsyncAllgatherWork -> take_gil -> std::terminate). The pause runs after
+    the program's last line, before finalization, once however many instances were built; not
+    in a process without a process group, nor in a child forked from one."""
     (tmp_path / "grace.py").write_text(_GRACE_SCRIPT)
     proc = subprocess.run([sys.executable, str(tmp_path / "grace.py")], cwd=tmp_path,
-                          env={**ENV, "PORT": str(_free_port())}, capture_output=True, text=True,
-                          timeout=120)
+                          env={**ENV, "PORT": str(_free_port()), "MODE": mode},
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from selzero_plugin.process_exit import EXIT_GRACE_S
 
     assert EXIT_GRACE_S >= 0.1
-    assert proc.stdout.splitlines() == ["end of program", f"grace {EXIT_GRACE_S}"], proc.stdout
+    grace = f"grace {EXIT_GRACE_S} pid parent finalizing False"
+    expected = {"group": ["end of program", grace], "single": ["end of program"],
+                "fork": ["child done", "end of program", grace]}[mode]
+    assert proc.stdout.splitlines() == expected, proc.stdout

@@ -74,6 +74,7 @@ import atexit
 import collections
 import datetime
 import hashlib
+import os
 import threading
 import time
 from typing import Any, Protocol
@@ -170,22 +171,29 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 _RETAINED = 512  # completed works a communicator keeps ([Note: work objects at exit])
 EXIT_GRACE_S = 0.2  # [Note: gloo teardown] (process_exit.py): for the program's own works
-_GRACE = threading.Event()
-
-
-def _exit_grace() -> None:
-    time.sleep(EXIT_GRACE_S)  # without the GIL: a worker thread waiting for it takes it now
+_GRACE_PID: int | None = None  # the process that built a communicator over a process group
 
 
 def _at_exit() -> None:
-    _exit_grace()  # looked up when the process exits
+    """At interpreter exit, in a process that built a distributed communicator (not a child
+    forked from it, not a process with no process group): pause without the GIL."""
+    if _GRACE_PID != os.getpid() or EXIT_GRACE_S <= 0:
+        return
+    try:
+        time.sleep(EXIT_GRACE_S)  # a gloo worker that is about to release a work does it now
+    except KeyboardInterrupt:  # a second Ctrl-C at exit: leave without a traceback
+        pass
+
+
+# Registered at import, so it runs after every atexit hook registered later (they run last in,
+# first out): a program's own hook that does a final collective is covered too.
+atexit.register(_at_exit)
 
 
 def grace_at_exit() -> None:
-    """Register, once per process, the pause at interpreter exit of [Note: gloo teardown]."""
-    if not _GRACE.is_set():
-        _GRACE.set()
-        atexit.register(_at_exit)
+    """Arm the pause at interpreter exit of [Note: gloo teardown] for this process."""
+    global _GRACE_PID
+    _GRACE_PID = os.getpid()
 _GROUPS: dict[tuple[int, tuple[int, ...], float], Any] = {}
 _CREATED: dict[tuple[int, str, tuple[int, ...]], int] = {}
 _NAMING = threading.Lock()
@@ -265,7 +273,8 @@ class Communicator:
         self.what = ""  # set by callers around a phase (e.g. "bucket 3 reduce-scatter")
         # works already waited for, kept so that no worker thread destroys them
         self.retired: collections.deque[Any] = collections.deque(maxlen=_RETAINED)
-        grace_at_exit()  # and the program's own: [Note: gloo teardown] in process_exit.py
+        if group is not None:  # and the program's own: [Note: gloo teardown] in process_exit.py
+            grace_at_exit()
 
     @classmethod
     def create(cls, ranks: list[int], *, timeout_s: float, device: torch.device,
