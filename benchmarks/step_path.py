@@ -47,6 +47,7 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
     import torch
 
     from selzero_plugin import SelectedZero2
+    from selzero_plugin.core import flat_step
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -76,8 +77,13 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
         g = torch.Generator(device="cpu").manual_seed(1)
         grads = [torch.randn(p.shape, generator=g).to(device) for p in params]
         synthetic = Synthetic(model, params, grads)
-        if kind == "selzero":
-            return SelectedZero2(model, config, torch.optim.AdamW, kwargs), params, synthetic
+        if kind in ("selzero", "selzero_segments"):
+            flat_step.ENABLED = kind == "selzero"
+            try:
+                sz = SelectedZero2(model, {**config, "name": kind}, torch.optim.AdamW, kwargs)
+            finally:
+                flat_step.ENABLED = True
+            return sz, params, synthetic
         if kind == "ddp":  # DDP's reducer copies each gradient into its bucket (C++)
             synthetic = torch.nn.parallel.DistributedDataParallel(synthetic)
         return torch.optim.AdamW(params, **kwargs), params, synthetic
@@ -90,7 +96,8 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
         store = dist.FileStore(tempfile.mktemp(), 1)
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=store,
                                 rank=0, world_size=1)
-    arms = {"plain": arm("plain"), "ddp": arm("ddp"), "selzero": arm("selzero")}
+    arms = {"plain": arm("plain"), "ddp": arm("ddp"), "selzero": arm("selzero"),
+            "selzero_segments": arm("selzero_segments")}
     times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "step": []} for k in arms}
 
     def one(name: str) -> tuple[float, float]:
@@ -101,7 +108,7 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
         _sync(device)
         t1 = time.perf_counter()
         opt.step()
-        if name != "selzero":
+        if not name.startswith("selzero"):
             opt.zero_grad(set_to_none=name == "plain")  # DDP keeps its bucket views
         _sync(device)
         return t1 - t0, time.perf_counter() - t1
@@ -109,7 +116,7 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
     for name in arms:  # warm-up: optimizer state exists, buffers allocated
         for _ in range(2):
             one(name)
-    ratios, ddp_ratios, path = [], [], {k: [] for k in arms}
+    ratios, ddp_ratios, flat_ratios, path = [], [], [], {k: [] for k in arms}
     for _ in range(rounds):
         round_times = {}
         for name in arms:
@@ -118,14 +125,18 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             times[name]["backward"].append(round_times[name][0])
             times[name]["step"].append(round_times[name][1])
         path["plain"].append(round_times["plain"][1])
-        for name in ("ddp", "selzero"):  # copy-in: backward time beyond the plain arm's
+        for name in ("ddp", "selzero", "selzero_segments"):  # copy-in: backward time beyond the plain arm's
             path[name].append(max(0.0, round_times[name][0] - round_times["plain"][0])
                               + round_times[name][1])
         ratios.append(path["selzero"][-1] / path["plain"][-1])
         ddp_ratios.append(path["selzero"][-1] / path["ddp"][-1])
+        flat_ratios.append(path["selzero"][-1] / path["selzero_segments"][-1])
     sz = arms["selzero"][0]
-    same = all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in
-               zip(arms["plain"][1], arms["selzero"][1], arms["ddp"][1]))
+    same = all(torch.equal(p, q) and torch.equal(p, r) and torch.equal(p, t) for p, q, r, t in
+               zip(arms["plain"][1], arms["selzero"][1], arms["ddp"][1],
+                   arms["selzero_segments"][1]))
+    n = len(arms["plain"][1])
+    us = lambda xs: round(1e6 * statistics.median(xs) / n, 2)  # noqa: E731
     ms = lambda xs: round(1000 * statistics.median(xs), 2)  # noqa: E731
     return {"workload": workload, "fused": fused, "device": device_name,
             "parameters": len(arms["plain"][1]), "segments": len(sz.segments),
@@ -135,6 +146,13 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             "selzero_copy_in_ms": ms([a - b for a, b in zip(times["selzero"]["backward"],
                                                             times["plain"]["backward"])]),
             "selzero_step_ms": ms(times["selzero"]["step"]),
+            "selzero_runs": sz.flat_step.runs_last_step,
+            "selzero_segments_path_ms": ms(path["selzero_segments"]),
+            "selzero_segments_step_ms": ms(times["selzero_segments"]["step"]),
+            "us_per_tensor": {"plain": us(path["plain"]), "ddp": us(path["ddp"]),
+                              "selzero": us(path["selzero"]),
+                              "selzero_segments": us(path["selzero_segments"])},
+            "ratio_flat_vs_segments": round(statistics.median(flat_ratios), 3),
             "ratio": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
             "ratio_vs_ddp": round(statistics.median(ddp_ratios), 3),

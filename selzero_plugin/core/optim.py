@@ -10,7 +10,8 @@ it would compute on the whole tensor. Optimizers whose update reads a whole matr
 (factored moments, orthogonalization, trust ratios, line searches) cannot run on chunks; under
 whole-tensor ownership (``partition="tensors"``) a segment is a whole (virtual) parameter in
 its own shape, so Muon, Adafactor and the classes in ``extra_matrix_optimizers`` run there
-unmodified.
+unmodified. How a step hands the segments to the optimizer (runs of them as one tensor, for
+torch's elementwise classes): [Note: flat step] in flat_step.py.
 
 [Note: param groups with their own optimizer]
 A param group may name its own optimizer class (``"optimizer": "torch.optim.AdamW"``). Its
@@ -319,6 +320,8 @@ class SegmentOptimizer:
                 order[g] = (m, i)
         self.optimizer: torch.optim.Optimizer = built[0] if len(built) == 1 else \
             MultiOptimizer(built, order)
+        self.members: list[torch.optim.Optimizer] = built  # the torch optimizers, one per class
+        self.order = order
         self.main = next(g for g, plan in enumerate(plans) if not plan.own)
         # a group of its own class: its lr as built (the group's, else its class's default)
         self.own_lr = {g: float(self.optimizer.param_groups[g]["lr"])

@@ -220,18 +220,30 @@ class ShardStorage:
         return [s.virtual for i, s in enumerate(self.slots)
                 if not bool(torch.isfinite(self.grad_view(i)).all())]
 
-    def memory_report(self, optimizer: torch.optim.Optimizer) -> MemoryReport:
-        """Per-rank bytes of gradient shard, optimizer state and masters, from live storages."""
+    def memory_report(self, optimizer: torch.optim.Optimizer,
+                      flat: list[torch.Tensor] = ()) -> MemoryReport:  # type: ignore[assignment]
+        """Per-rank bytes of gradient shard, optimizer state and masters, from live storages.
+        ``flat``: state buffers of the flat step ([Note: flat step]), each a group's real
+        lengths packed; state viewing one counts it whole, once."""
         grad = _storage_bytes([self.grad_shard])
         master = _storage_bytes([self.master_flat])
         state = _storage_bytes([v for st in optimizer.state.values() for v in st.values()
                                 if isinstance(v, torch.Tensor)])
         ideal = 0
+        in_flat = {b.untyped_storage().data_ptr(): b for b in flat}
+        counted: set[int] = set()
         for i, (s, seg) in enumerate(zip(self.slots, self.segments)):
             ideal += s.numel * 4 * (1 + (self.master_offset[i] is not None))
             for v in optimizer.state.get(seg, {}).values():
-                if isinstance(v, torch.Tensor):
-                    ideal += (s.numel if v.numel() == seg.numel() else v.numel()) * v.element_size()
+                if not isinstance(v, torch.Tensor):
+                    continue
+                ptr = v.untyped_storage().data_ptr()
+                if ptr in in_flat:
+                    if ptr not in counted:
+                        counted.add(ptr)
+                        ideal += in_flat[ptr].numel() * in_flat[ptr].element_size()
+                    continue
+                ideal += (s.numel if v.numel() == seg.numel() else v.numel()) * v.element_size()
         return MemoryReport(grad, state, master, grad + state + master, ideal)
 
 

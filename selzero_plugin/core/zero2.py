@@ -36,8 +36,9 @@ from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
 from .contract import Field, agree_on_local_errors, check_contract
 from .experts import index_experts
+from .flat_step import FlatStep
 from .layout import EntrySpec, Layout, ShardSlot, plan_layout
-from .optim import (GroupPlan, SegmentOptimizer, build_optimizer, check_admitted,
+from .optim import (ELEMENTWISE, GroupPlan, SegmentOptimizer, build_optimizer, check_admitted,
                     check_hyperparameters, jsonable, override_class, plan_groups,
                     plan_groups_from_host, probe_state_shapes, qualified_name,
                     resolve_optimizer_class, stepped_state)
@@ -268,6 +269,9 @@ class SelectedZero2:
         self.segment_optimizer = SegmentOptimizer(self._opt_cls, self._defaults, self._plans,
                                                   self.storage.segments, entry_of_slot,
                                                   self.host_optimizer)
+        self.flat_step = FlatStep(self.storage, self.segment_optimizer, entry_of_slot,
+                                  eligible_classes=ELEMENTWISE, partition=config.partition,
+                                  device=comm.device)
         self._normalize_comm: Communicator | None = None
         self._world_comm: Communicator | None = None
         self._control_comm: Communicator | None = None
@@ -461,13 +465,9 @@ class SelectedZero2:
                 "scaler.step(optimizer) (or scaler.unscale_(optimizer)) for the host optimizer "
                 "before sz.step(). Nothing was updated."))
         decision = self.window.decision
-        update = decision.update
-        for slot, seg, grad in zip(self.storage.slots, self.storage.segments,
-                                   self.storage.grad_views):
-            seg.grad = grad if update[slot.virtual] else None
         self.segment_optimizer.prepare(lr)
         if decision.updated:
-            self.segment_optimizer.optimizer.step()
+            self.flat_step.step(decision.update)
             self.collectives.all_gather_updated(decision.update)
             self.window.bindings.record()
         result = StepResult(decision.global_weight, decision.updated, decision.skipped_absent,
@@ -658,7 +658,7 @@ class SelectedZero2:
 
     def memory_report(self) -> MemoryReport:
         """Per-rank bytes of gradient shard, optimizer state and masters, from live storages."""
-        return self.storage.memory_report(self.optimizer)
+        return self.storage.memory_report(self.optimizer, list(self.flat_step.flat.values()))
 
     def remove_hooks(self) -> None:
         """Detach selzero from the model (its parameters' gradients flow normally again)."""

@@ -1,0 +1,496 @@
+"""One optimizer step over runs of segments: many small segments, few optimizer tensors.
+
+[Note: flat step]
+Under ``partition="chunks"`` every rank holds a chunk of every selected parameter, so on a model
+of many small experts a rank's share is thousands of small segments, and torch's single-tensor
+optimizers (the CPU default) spend ~40 us of Python per tensor per step whatever its size: the
+update cost does not shrink with the group size. An elementwise optimizer computes the same
+value for each element whether the elements form one tensor or many, provided the scalar state
+its update reads (Adam's ``step``, NAdam's ``mu_product``) is the same; on this machine the
+results are bitwise equal for every class of ``ELEMENTWISE`` (tests/test_flat_step.py).
+
+So at each step, consecutive segments that are updated, belong to one optimizer group, hold
+equal scalar state (or none yet) and lie next to each other in memory are handed to the
+optimizer as one 1-D tensor, a *run*:
+- values: the FP32 masters (``master_flat``) of bf16/fp16 parameters; an fp32 parameter's
+  segment views the parameter itself, so those values are copied into a scratch (fp32 slots
+  packed) before the update and back after it, one foreach copy each way;
+- gradients: ``grad_shard``;
+- state: one flat buffer per optimizer group and state key, the group's slots packed;
+  scalar state (0-dim) one element per slot. Each segment's public state
+  (``sz.optimizer.state[seg]``) holds views of these buffers, so ``state_dict``, checkpoints,
+  the memory report and a user's reads see per-segment state in the segment's shape, as before.
+
+The public optimizer runs the update itself: during its ``step()`` its groups' ``params`` and
+its ``state`` are the runs' and are restored afterwards (also when a step hook raises after the
+update: what the update did is kept), so an LR scheduler's step counter and the groups' live
+hyperparameters apply; step hooks run then and see the runs. State that is not held in the flat
+buffers (a ``load_state_dict``, ``state.clear()``, a tensor or dict a user put in, the state
+Adagrad makes at construction) is copied in before the step (*adopted*): each slot's dict and
+its values are checked by identity at every step. An update that makes state other than what
+one step made at construction (a hyperparameter changed since: SGD's momentum turned on) ends
+the path for that optimizer for good: its slots get tensors of their own, cut from the runs',
+the flat buffers are freed, and the per-segment path runs from then on. A deep copy of one
+segment's state copies the whole buffer it views.
+
+Not used (the per-segment path runs): whole-tensor ownership, a class outside torch's
+elementwise allowlist (``ELEMENTWISE``; not ``extra_elementwise_optimizers``), ``fused=True``
+(torch's fused CPU kernels round the tail of each tensor in scalar code: not bitwise when the
+boundaries move), ``differentiable=True``, and
+state one step of the class makes that is neither 0-dim nor of the parameter's shape.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+from .optim import SegmentOptimizer, probe_state_shapes
+from .storage import ShardStorage
+
+__all__ = ["FlatStep"]
+
+_FP32 = torch.float32
+
+# [Note: run size] torch's single-tensor optimizers make one pass over the whole tensor per
+# operation (~12 for AdamW): over a run of millions of elements each pass streams its four
+# arrays through memory, where per-segment passes of a few thousand elements stay in cache (a
+# 4.2M-element run took 141 ms, the same elements as 512 segments 98 ms). Runs are therefore
+# cut at slot boundaries once they pass this many elements (4 FP32 arrays of 512 KiB); a
+# segment larger than that is one run, as it is one tensor in the per-segment path.
+RUN_NUMEL = 131072
+
+ENABLED = True  # read when an instance is built (tests compare both paths)
+
+
+class FlatStep:
+    """Steps this rank's segments through the segment optimizer ([Note: flat step])."""
+
+    def __init__(self, storage: ShardStorage, optimizer: SegmentOptimizer,
+                 entry_of_slot: list[int], *, eligible_classes: Sequence[type],
+                 partition: str, device: torch.device) -> None:
+        self.storage = storage
+        self.seg_opt = optimizer
+        slots = storage.slots
+        self.n = len(slots)
+        self.group_of_slot = [optimizer.group_of_entry[t] for t in entry_of_slot]
+        self.member_of_group = [m for m, _ in optimizer.order]
+        members = optimizer.members
+        # per member: the state keys one step makes, by kind, or None (per-segment path)
+        self.keys: list[dict[str, str] | None] = []
+        for m, member in enumerate(members):
+            self.keys.append(self._probe(member, partition, eligible_classes, device)
+                             if ENABLED else None)
+        self.on = [k is not None for k in self.keys]
+        # layouts: values (masters, or the fp32 scratch), state (per group, packed)
+        self.is_master = [off is not None for off in storage.master_offset]
+        self.value_off: list[int] = []
+        fp32 = 0
+        for i, s in enumerate(slots):
+            if self.is_master[i]:
+                self.value_off.append(storage.master_offset[i] or 0)
+            else:
+                self.value_off.append(fp32)
+                fp32 += s.numel
+        self.fp32_numel = fp32
+        self.fp32_slots = [i for i in range(self.n) if not self.is_master[i]]
+        self.fp32_sizes = [slots[i].numel for i in self.fp32_slots]
+        self.state_off: list[int] = []
+        self.pos: list[int] = []  # index among the group's slots (scalar state)
+        group_numel: dict[int, int] = defaultdict(int)
+        group_count: dict[int, int] = defaultdict(int)
+        for i, s in enumerate(slots):
+            g = self.group_of_slot[i]
+            self.state_off.append(group_numel[g])
+            self.pos.append(group_count[g])
+            group_numel[g] += s.numel
+            group_count[g] += 1
+        self.group_numel, self.group_count = dict(group_numel), dict(group_count)
+        joinable = [False] * self.n
+        for i in range(1, self.n):
+            a, b = slots[i - 1], slots[i]
+            joinable[i] = (self.group_of_slot[i] == self.group_of_slot[i - 1]
+                           and self.is_master[i] == self.is_master[i - 1]
+                           and self.value_off[i - 1] + a.numel == self.value_off[i]
+                           and a.shard_offset + a.numel == b.shard_offset)
+        self.joinable = torch.tensor(joinable, dtype=torch.bool)
+        self.virtual_of_slot = torch.tensor([s.virtual for s in slots], dtype=torch.long)
+        self.eligible_slot = torch.tensor([self.on[self.member_of_group[g]]
+                                           for g in self.group_of_slot], dtype=torch.bool)
+        # flat state: (group, key) -> buffer; which slots hold adopted state
+        self.flat: dict[tuple[int, str], torch.Tensor] = {}
+        self.has = [False] * self.n
+        self.public: list[dict[str, Any] | None] = [None] * self.n  # the dict each slot got
+        self.runs_last_step = 0
+        self.numel_of_slot = [s.numel for s in slots]
+        self.run_numel = RUN_NUMEL
+        self._slots_of_group = {g: torch.tensor([i for i in range(self.n)
+                                                 if self.group_of_slot[i] == g], dtype=torch.long)
+                                for g in self.group_count}
+        self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._grads_clear = False
+        self._held: list[tuple[tuple[str, torch.Tensor], ...]] = [()] * self.n
+        self._scratch_views: Any = ()
+
+    # ---- eligibility -----------------------------------------------------------------------
+
+    @staticmethod
+    def _probe(member: torch.optim.Optimizer, partition: str, eligible: Sequence[type],
+               device: torch.device) -> dict[str, str] | None:
+        cls = type(member)
+        if partition == "tensors" or cls not in eligible:
+            return None
+        keys: dict[str, str] | None = None
+        for group in member.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            if hyper.get("differentiable") or hyper.get("fused"):
+                return None  # fused kernels round tail elements differently: not bitwise
+            try:
+                shapes = probe_state_shapes(cls, hyper, {}, device, (5,))
+            except Exception:  # noqa: BLE001 - the per-segment path makes no such assumption
+                return None
+            kinds = {k: kind for k, (kind, _, _) in shapes.items()}
+            if any(kind not in ("scalar", "elementwise") for kind in kinds.values()):
+                return None
+            if keys is None:
+                keys = kinds
+            elif keys != kinds:  # groups of one class with different state (SGD momentum 0)
+                return None
+        return keys if keys is not None else {}
+
+    def _turn_off(self, m: int) -> None:
+        """The per-segment path for member ``m`` from now on (its public state stays: views
+        of the flat buffers are state like any other)."""
+        self.on[m] = False
+        self.eligible_slot = torch.tensor([self.on[self.member_of_group[g]]
+                                           for g in self.group_of_slot], dtype=torch.bool)
+        state = self.seg_opt.members[m].state
+        with torch.no_grad():
+            for i, seg in enumerate(self.storage.segments):
+                if self.member_of_group[self.group_of_slot[i]] == m and seg in state:
+                    state[seg] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                  for k, v in state[seg].items()}
+                    self.public[i] = None
+                    self.has[i] = False
+        for key in [k for k in self.flat if self.member_of_group[k[0]] == m]:
+            del self.flat[key]
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self, update: Sequence[bool]) -> None:
+        """One update of every segment whose virtual parameter ``update`` marks."""
+        storage = self.storage
+        members = self.seg_opt.members
+        with torch.no_grad():
+            for m, member in enumerate(members):
+                if self.on[m]:
+                    self._adopt(m, member)
+            if not all(self.on) or not self._grads_clear:
+                for i, (slot, seg, grad) in enumerate(zip(storage.slots, storage.segments,
+                                                          storage.grad_views)):
+                    if not self.on[self.member_of_group[self.group_of_slot[i]]]:
+                        seg.grad = grad if update[slot.virtual] else None
+                    elif seg.grad is not None:
+                        seg.grad = None
+                self._grads_clear = all(self.on)  # the runs carry the gradients from now on
+            if not any(self.on):
+                self.seg_opt.optimizer.step()
+                return
+            stepping = torch.tensor(list(update), dtype=torch.bool)[self.virtual_of_slot] & \
+                self.eligible_slot
+            runs = self._runs(stepping)
+            self.runs_last_step = len(runs)
+            scratch = self._copy_in(stepping)
+            try:
+                self._step_runs(runs, scratch)
+            finally:
+                self._copy_out(stepping, scratch)
+
+    def _runs(self, stepping: torch.Tensor) -> list[tuple[int, int]]:
+        """(first, end) slot ranges to step as one tensor each: maximal, then capped."""
+        if self.n == 0 or not bool(stepping.any()):
+            return []
+        has = torch.tensor(self.has, dtype=torch.bool)
+        join = self.joinable.clone()
+        join[1:] &= stepping[1:] & stepping[:-1] & (has[1:] == has[:-1])
+        both = has[1:] & has[:-1]
+        for key in self._scalar_keys():
+            values = self._slot_scalars(key)
+            join[1:] &= ~both | (values[1:] == values[:-1])
+        join[0] = False
+        starts = (stepping & ~join).nonzero().flatten().tolist()
+        join_next = torch.zeros(self.n, dtype=torch.bool)
+        join_next[:-1] = join[1:]
+        ends = (stepping & ~join_next).nonzero().flatten().add_(1).tolist()
+        return self._capped(list(zip(starts, ends)))
+
+    def _capped(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Runs cut at slot boundaries to about ``run_numel`` elements ([Note: run size])."""
+        cap = self.run_numel
+        if cap <= 0:
+            return runs
+        numel = self.numel_of_slot
+        out: list[tuple[int, int]] = []
+        for a, b in runs:
+            start, size = a, 0
+            for i in range(a, b):
+                if size and size + numel[i] > cap:
+                    out.append((start, i))
+                    start, size = i, 0
+                size += numel[i]
+            out.append((start, b))
+        return out
+
+    def _scalar_keys(self) -> list[str]:
+        keys: list[str] = []
+        for k in self.keys:
+            keys += [key for key, kind in (k or {}).items() if kind == "scalar" and key not in keys]
+        return keys
+
+    def _slot_scalars(self, key: str) -> torch.Tensor:
+        """Per slot: the scalar state ``key`` as float64 (NaN where none is held)."""
+        out = torch.full((self.n,), float("nan"), dtype=torch.float64)
+        for g in self.group_count:
+            buf = self.flat.get((g, key))
+            if buf is not None:
+                out[self._slots_of_group[g]] = buf.detach().to("cpu", torch.float64)
+        return out
+
+    def _step_runs(self, runs: list[tuple[int, int]], scratch: torch.Tensor | None) -> None:
+        members = self.seg_opt.members
+        groups = self.seg_opt.optimizer.param_groups
+        slots, has = self.storage.slots, self.has
+        numels = [self.value_off[b - 1] + slots[b - 1].numel - self.value_off[a] for a, b in runs]
+        # values: per base, its runs in order; gradients: all runs, in shard order
+        values: list[torch.Tensor] = [scratch if scratch is not None else
+                                      self.storage.master_flat] * len(runs)
+        for master, base in ((True, self.storage.master_flat), (False, scratch)):
+            mine = [j for j, (a, _) in enumerate(runs) if self.is_master[a] == master]
+            if mine:
+                assert base is not None
+                for j, view in zip(mine, _pieces(base, [(self.value_off[runs[j][0]], numels[j])
+                                                        for j in mine])):
+                    values[j] = view
+        grads = _pieces(self.storage.grad_shard,
+                        [(slots[a].shard_offset, n) for (a, _), n in zip(runs, numels)])
+        # state: per group and key, the stateful runs' pieces; a scalar per run
+        states: list[dict[str, Any]] = [{} for _ in runs]
+        scalars: list[tuple[int, str, list[int], list[torch.Tensor]]] = []
+        by_group: dict[int, list[int]] = defaultdict(list)
+        for j, (a, _) in enumerate(runs):
+            if has[a]:
+                by_group[self.group_of_slot[a]].append(j)
+        for g, js in by_group.items():
+            for key, kind in (self.keys[self.member_of_group[g]] or {}).items():
+                buf = self.flat[(g, key)]
+                if kind == "elementwise":
+                    for j, view in zip(js, _pieces(buf, [(self.state_off[runs[j][0]], numels[j])
+                                                         for j in js])):
+                        states[j][key] = view
+                else:
+                    index = torch.tensor([self.pos[runs[j][0]] for j in js], device=buf.device)
+                    views = list(buf.index_select(0, index).unbind(0))
+                    for j, view in zip(js, views):
+                        states[j][key] = view
+                    scalars.append((g, key, js, views))
+        passed = [dict(st) for st in states]
+        params_of: list[list[torch.Tensor]] = [[] for _ in groups]
+        run_states: dict[int, defaultdict[Any, dict[str, Any]]] = {
+            m: defaultdict(dict) for m in range(len(members)) if self.on[m]}
+        for j, (a, _) in enumerate(runs):
+            values[j].grad = grads[j]
+            g = self.group_of_slot[a]
+            params_of[g].append(values[j])
+            if states[j]:
+                run_states[self.member_of_group[g]][values[j]] = states[j]
+        saved_params = [(group, group["params"]) for g, group in enumerate(groups)
+                        if self.on[self.member_of_group[g]]]
+        saved_states = {m: members[m].state for m in run_states}
+        try:
+            for g, group in enumerate(groups):
+                if self.on[self.member_of_group[g]]:
+                    group["params"] = params_of[g]
+            for m, st in run_states.items():
+                members[m].state = st
+            self.seg_opt.optimizer.step()
+        finally:  # also when a step hook raised after the update: what it did is kept
+            for group, params in saved_params:
+                group["params"] = params
+            for m, st in saved_states.items():
+                members[m].state = st
+            after: list[dict[str, Any]] = []
+            for j, (a, _) in enumerate(runs):
+                values[j].grad = None
+                after.append(run_states[self.member_of_group[self.group_of_slot[a]]]
+                             .get(values[j], {}))
+            self._keep(runs, numels, after, passed, scalars)
+
+    def _copy_in(self, stepping: torch.Tensor) -> torch.Tensor | None:
+        """fp32 segments view their parameters: their values into a packed scratch."""
+        if not self.fp32_slots:
+            return None
+        scratch = torch.empty(self.fp32_numel, dtype=_FP32, device=self.storage.grad_shard.device)
+        self._scratch_views = torch.split(scratch, self.fp32_sizes)
+        step = stepping.tolist()
+        segments = self.storage.segments  # 1-D under chunks, like the scratch views
+        self._copied = [(self._scratch_views[j], segments[i])
+                        for j, i in enumerate(self.fp32_slots) if step[i]]
+        if self._copied:
+            torch._foreach_copy_([d for d, _ in self._copied], [s for _, s in self._copied])
+        return scratch
+
+    def _copy_out(self, stepping: torch.Tensor, scratch: torch.Tensor | None) -> None:
+        if scratch is None:
+            return
+        if self._copied:
+            torch._foreach_copy_([s for _, s in self._copied], [d for d, _ in self._copied])
+        self._copied, self._scratch_views = [], ()
+
+    # ---- flat state ------------------------------------------------------------------------
+
+    def _buffer(self, g: int, key: str, kind: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self.flat.get((g, key))
+        if buf is None:
+            size = self.group_numel[g] if kind == "elementwise" else self.group_count[g]
+            buf = torch.zeros(size, dtype=like.dtype, device=like.device)
+            self.flat[(g, key)] = buf
+        return buf
+
+    def _slot_state(self, g: int, i: int, keys: dict[str, str],
+                    order: Any) -> dict[str, torch.Tensor]:
+        """Slot i's public state: views of the flat buffers, in the segment's shape."""
+        s, shape, off = self.storage.slots[i], self.storage.shapes[i], self.state_off[i]
+        out = {}
+        for key in order:
+            buf = self.flat[(g, key)]
+            out[key] = buf[off:off + s.numel].view(shape) if keys[key] == "elementwise" else \
+                buf[self.pos[i]]
+        return out
+
+    def _adopt(self, m: int, member: torch.optim.Optimizer) -> None:
+        """Copy state the flat buffers do not hold into them (a load, a clear, a tensor or dict
+        a user put in, Adagrad's initial state); its public state becomes views of them. Each
+        slot's dict and values are checked by identity at every step."""
+        state = member.state
+        keys = self.keys[m]
+        assert keys is not None
+        for i, seg in enumerate(self.storage.segments):
+            g = self.group_of_slot[i]
+            if self.member_of_group[g] != m:
+                continue
+            held = state.get(seg)
+            mine = self.public[i]
+            if held is not None and held is mine and len(held) == len(self._held[i]) and \
+                    all(held.get(k) is v for k, v in self._held[i]):
+                continue  # still ours
+            if not held:
+                self.has[i] = False
+                self.public[i] = None
+                continue
+            if set(held) != set(keys) or any(
+                    not isinstance(held[k], torch.Tensor) or
+                    (kind == "elementwise" and held[k].numel() != self.storage.slots[i].numel)
+                    for k, kind in keys.items()):
+                self._turn_off(m)
+                return
+            for key, kind in keys.items():
+                self._buffer(g, key, kind, held[key])
+            views = self._slot_state(g, i, keys, held)
+            for key, view in views.items():
+                if held[key] is not view:
+                    view.copy_(held[key].detach().view(view.shape))
+            self._install(i, seg, state, views)
+
+    def _install(self, i: int, seg: Any, state: Any, views: dict[str, torch.Tensor]) -> None:
+        state[seg] = views
+        self.public[i] = views
+        self._held[i] = tuple(views.items())
+        self.has[i] = True
+
+    def _keep(self, runs: list[tuple[int, int]], numels: list[int], after: list[dict[str, Any]],
+              passed: list[dict[str, Any]],
+              scalars: list[tuple[int, str, list[int], list[torch.Tensor]]]) -> None:
+        """After the update: each run's state into the flat buffers. Scalars are written to
+        every slot of their runs; a run that had no state gets it, and its slots their
+        public state. State other than what one step made at construction (a hyperparameter
+        changed since: SGD's momentum turned on) ends the flat path for that optimizer: the
+        slots get their own tensors, cut from the run's."""
+        off_members: set[int] = set()
+        for j, (a, b) in enumerate(runs):
+            m = self.member_of_group[self.group_of_slot[a]]
+            keys = self.keys[m] or {}
+            if after[j] and (set(after[j]) != set(keys) or any(
+                    not isinstance(v, torch.Tensor) or
+                    v.numel() not in (1, numels[j]) for v in after[j].values())):
+                off_members.add(m)
+        for g, key, js, views in scalars:  # runs that held state: the common case, batched
+            buf = self.flat[(g, key)]
+            new = [after[j].get(key, views[n]) for n, j in enumerate(js)]
+            counts = [self.pos[runs[j][1] - 1] - self.pos[runs[j][0]] + 1 for j in js]
+            starts = [self.pos[runs[j][0]] for j in js]
+            index = torch.tensor([p for st, c in zip(starts, counts) for p in range(st, st + c)],
+                                 device=buf.device)
+            buf.index_copy_(0, index, torch.stack([v.detach().reshape(()) for v in new])
+                            .to(buf.device, buf.dtype).repeat_interleave(
+                                torch.tensor(counts, device=buf.device)))
+        for j, (a, b) in enumerate(runs):
+            g = self.group_of_slot[a]
+            m = self.member_of_group[g]
+            keys = self.keys[m]
+            if m in off_members:
+                self._own_state(j, a, b, numels[j], after[j], passed[j])
+                continue
+            if not keys or not after[j]:
+                continue
+            if passed[j]:
+                for key, view in passed[j].items():
+                    if keys[key] == "elementwise" and after[j][key] is not view:
+                        view.copy_(after[j][key].detach().view(-1))
+                continue
+            off = self.state_off[a]
+            for key, kind in keys.items():  # the run's first state: made by the optimizer
+                value = after[j][key].detach()
+                buf = self._buffer(g, key, kind, value)
+                if kind == "elementwise":
+                    buf[off:off + numels[j]].copy_(value.view(-1))
+                else:
+                    buf[self.pos[a]:self.pos[b - 1] + 1].fill_(value)
+            state = self.seg_opt.members[m].state
+            for i in range(a, b):
+                self._install(i, self.storage.segments[i], state,
+                              self._slot_state(g, i, keys, after[j]))
+        for m in off_members:
+            self._turn_off(m)
+
+    def _own_state(self, j: int, a: int, b: int, numel: int, after: dict[str, Any],
+                   passed: dict[str, Any]) -> None:
+        """Run j's state, cut into tensors of each of its slots (the flat path ends)."""
+        g = self.group_of_slot[a]
+        state = self.seg_opt.members[self.member_of_group[g]].state
+        at = 0
+        for i in range(a, b):
+            s, shape = self.storage.slots[i], self.storage.shapes[i]
+            own: dict[str, Any] = {}
+            for key, value in after.items():
+                if isinstance(value, torch.Tensor) and value.numel() == numel and numel > 1:
+                    own[key] = value.detach().view(-1)[at:at + s.numel].clone().view(shape)
+                elif isinstance(value, torch.Tensor):
+                    own[key] = value.detach().clone()
+                else:
+                    own[key] = value
+            state[self.storage.segments[i]] = own
+            self.public[i] = None
+            self.has[i] = False
+            at += s.numel
+
+
+def _pieces(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of ``tensor`` (1-D) at the sorted, disjoint (start, numel) ``ranges``: one split."""
+    sizes: list[int] = []
+    at = 0
+    for start, numel in ranges:
+        sizes += [start - at, numel]
+        at = start + numel
+    sizes.append(tensor.numel() - at)
+    return list(torch.split(tensor, sizes)[1::2])

@@ -1,0 +1,129 @@
+"""selzero with the flat step and with the per-segment step, in one rank process, side by side.
+
+Both arms train the same ToyMoE (experts under selzero, DDP + the same optimizer class on the
+rest) on routing that differs by rank and leaves experts without tokens, and snapshot after
+every step the parameters, the optimizer's state dict, and how many tensors the optimizer's
+``step()`` was given (a step pre-hook, as a user's hook would see it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from selzero_plugin import SelectedZero2, SelZeroConfig, wrap_ddp
+from selzero_plugin.core import flat_step
+
+from .models import loss_fn, make_batch
+from .parity import build_model, routes_for
+
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "Adam-amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01}),
+    "SGD-nesterov": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True,
+                                       "weight_decay": 0.01}),
+    "SGD-plain": (torch.optim.SGD, {"lr": 5e-2}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 5e-2, "lr_decay": 0.01}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.5, "centered": True}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-2, "decoupled_weight_decay": True,
+                                  "weight_decay": 0.1}),
+    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "AdamW-fused": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+}
+
+
+def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype,
+         num_experts: int, pattern: str, groups: str, scheduler: bool,
+         reload_at: int | None, clear_at: int | None, twist: str) -> dict[str, Any]:
+    flat_step.ENABLED = flat
+    try:
+        model = build_model(num_experts=num_experts, dtype=dtype)
+        cls, kwargs = OPTIMIZERS[opt_name]
+        config: dict[str, Any] = {"params": ["experts.*"], "name": f"flat{int(flat)}"}
+        if groups == "lr":  # the experts' second layers in a group of their own
+            config["param_groups"] = [{"params": ["experts.*.w2.*"], "lr": kwargs["lr"] / 3}]
+        elif groups == "class":  # ... with an optimizer class of its own (two torch optimizers)
+            config["param_groups"] = [{"params": ["experts.*.w2.*"], "lr": 5e-2,
+                                       "optimizer": "torch.optim.SGD", "momentum": 0.9}]
+        sz = SelectedZero2(model, SelZeroConfig(**config), cls, kwargs)
+    finally:
+        flat_step.ENABLED = True
+    selected = {id(e.param) for e in sz.entries}
+    host = cls([p for p in model.parameters() if id(p) not in selected], **kwargs)
+    ddp = wrap_ddp(model, sz)
+    seen: list[int] = []
+    sz.optimizer.register_step_pre_hook(
+        lambda opt, args, kw: seen.append(sum(len(g["params"]) for g in opt.param_groups)))
+    sched = torch.optim.lr_scheduler.LambdaLR(sz.optimizer, lambda s: 1.0 / (1 + s)) \
+        if scheduler else None
+    raised = []
+
+    def failing_post_hook(opt: Any, args: Any, kw: Any) -> None:
+        if len(seen) == 3:  # after the third update: a user's logging hook that fails
+            raise RuntimeError("logging failed")
+
+    if twist == "posthook":
+        sz.optimizer.register_step_post_hook(failing_post_hook)
+    snaps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            if step == reload_at:  # a user's optimizer round trip through torch's state dict
+                saved = {"state": {k: {n: v.clone() for n, v in s.items()}
+                                   for k, s in sz.optimizer.state_dict()["state"].items()},
+                         "param_groups": sz.optimizer.state_dict()["param_groups"]}
+                for s in sz.optimizer.state.values():
+                    for v in s.values():
+                        v.zero_()  # what is loaded must come back, not what was left
+                sz.optimizer.load_state_dict(saved)
+            if step == clear_at:  # DeepSpeed's weights-only load does this
+                sz.optimizer.state.clear()
+            if step == 2 and twist == "replace":  # a user resets some segments' moments
+                for seg in list(sz.optimizer.state)[:3]:
+                    st = sz.optimizer.state[seg]
+                    st[next(iter(k for k in st if k != "step"))] = \
+                        torch.full_like(st[next(iter(k for k in st if k != "step"))], 0.25)
+            if step == 2 and twist == "momentum":  # SGD's momentum turned on mid-training
+                for group in sz.optimizer.param_groups:
+                    group["momentum"] = 0.9
+                for group in host.param_groups:
+                    group["momentum"] = 0.9
+            x, y = make_batch(step, rank)
+            loss_fn(ddp, x.to(dtype), y.to(dtype),
+                    routes_for(step, rank, 6, num_experts, pattern)).float().backward()
+            host.step()
+            try:
+                result = sz.step()
+            except RuntimeError as e:
+                if "logging failed" not in str(e):
+                    raise
+                raised.append(step)  # as a user recovers: drop the window, go on
+                sz.zero_grad()
+                result = type("Failed", (), {"updated": -1})()
+            host.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+            snaps.append({
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "state": {k: {n: v.detach().clone() for n, v in s.items()}
+                          for k, s in sz.optimizer.state_dict()["state"].items()},
+                "updated": result.updated})
+    return {"snaps": snaps, "tensors_per_step": seen, "raised": raised, "segments": len(sz.segments),
+            "memory": sz.memory_report(),
+            "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+                         or "optimizer.step()" in str(w.message)]}
+
+
+def flat_and_segments(rank: int, world: int, opt_name: str, steps: int = 5, *,
+                      dtype: torch.dtype = torch.float32, num_experts: int = 6,
+                      pattern: str = "random", groups: str = "", scheduler: bool = False,
+                      reload_at: int | None = None, clear_at: int | None = None,
+                      twist: str = "") -> dict[str, Any]:
+    kw = dict(dtype=dtype, num_experts=num_experts, pattern=pattern, groups=groups,
+              scheduler=scheduler, reload_at=reload_at, clear_at=clear_at, twist=twist)
+    return {"flat": _arm(rank, True, opt_name, steps, **kw),
+            "segments": _arm(rank, False, opt_name, steps, **kw)}
