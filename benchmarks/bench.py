@@ -11,6 +11,10 @@ Workloads (sizes are arguments of ``WORKLOADS``):
   c  many small experts: 8 layers x 64 experts Linear(64, 128) -> Linear(128, 64); 512 tokens,
      so that the per-(virtual-)parameter cost of the step path shows.
   d  a transformers Qwen3-MoE built from a config (fused experts, ``expert_dim: 0``).
+  e  finer still: 4 layers x 256 experts (DeepSeek-V3's count per layer) Linear(64, 128) ->
+     Linear(128, 64) in a ModuleList: 4,096 expert tensors; 512 tokens.
+  f  the same experts as one fused tensor per weight and layer (``w1`` [256, 64, 128], ``w2``
+     [256, 128, 64], ``expert_dim: 0``): 8 tensors of 256 virtual parameters each.
 The timing rows route every token so that every expert gets tokens on every rank in every
 step (token i -> expert i mod E; Qwen3's router on random tokens): stock DeepSpeed ZeRO-1/2 and
 FSDP2 hang or train wrong otherwise (research/prior-art.md). ``selzero-uneven`` is selzero with
@@ -66,6 +70,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "c": {"kind": "moe", "d": 64, "h": 128, "experts": 64, "layers": 8, "tokens": 512},
     "d": {"kind": "qwen3", "hidden": 256, "moe_intermediate": 256, "experts": 16,
           "layers": 4, "tokens": 64},
+    "e": {"kind": "moe", "d": 64, "h": 128, "experts": 256, "layers": 4, "tokens": 512,
+          "grouped": True},
+    "f": {"kind": "fused", "d": 64, "h": 128, "experts": 256, "layers": 4, "tokens": 512},
 }
 MODES = ["ddp", "selzero", "fsdp2", "deepspeed", "deepspeed-sz", "selzero-uneven",
          "selzero-tensors"]
@@ -196,15 +203,45 @@ def build_model(spec: dict[str, Any]) -> Any:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.w2(nn.functional.gelu(self.w1(x)))
 
+    class FusedExperts(nn.Module):
+        """Every expert's weights in one tensor per weight (expert dimension 0), no biases."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(experts, d, h) / d ** 0.5)
+            self.w2 = nn.Parameter(torch.randn(experts, h, d) / h ** 0.5)
+
+        def forward(self, hidden: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+            return _grouped(hidden, routes, lambda e, x: nn.functional.gelu(
+                x @ self.w1[e]) @ self.w2[e])
+
+    def _grouped(hidden: torch.Tensor, routes: torch.Tensor, apply: Any) -> torch.Tensor:
+        """Tokens sorted by expert once, each expert applied to its slice (the usual MoE
+        dispatch); the result scattered back in token order."""
+        order = torch.argsort(routes, stable=True)
+        counts = torch.bincount(routes, minlength=experts).tolist()
+        parts, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                parts.append(apply(e, hidden[order[start:start + count]]))
+            start += count
+        return torch.zeros_like(hidden).index_copy(0, order, torch.cat(parts))
+
     class Layer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.dense = nn.Linear(d, d)
-            self.experts = nn.ModuleList(Expert() for _ in range(experts))
+            self.experts: nn.Module = (
+                FusedExperts() if spec["kind"] == "fused"
+                else nn.ModuleList(Expert() for _ in range(experts)))
             self.routes: torch.Tensor | None = None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             hidden = torch.relu(self.dense(x))
+            if spec["kind"] == "fused":
+                return x + self.experts(hidden, self.routes)
+            if spec.get("grouped"):
+                return x + _grouped(hidden, self.routes, lambda e, t: self.experts[e](t))
             y = torch.zeros_like(hidden)
             for e, expert in enumerate(self.experts):
                 idx = (self.routes == e).nonzero().flatten()
@@ -238,6 +275,12 @@ def expert_names(spec: dict[str, Any]) -> list[str]:
 
 def is_expert(spec: dict[str, Any], name: str) -> bool:
     return ".mlp.experts." in name if spec["kind"] == "qwen3" else ".experts." in name
+
+
+def selection(spec: dict[str, Any], bucket_mb: float = 25.0) -> dict[str, Any]:
+    """The selzero config of every selzero row: the experts (fused ones along dimension 0)."""
+    return {"params": expert_names(spec), "bucket_mb": bucket_mb,
+            **({"expert_dim": 0} if spec["kind"] in ("qwen3", "fused") else {})}
 
 
 # ---- one mode in one set of processes --------------------------------------------------------
@@ -374,8 +417,7 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
     from torch import nn
 
     kwargs = {"lr": 1e-4, "weight_decay": 0.1}
-    sz_config = {"params": expert_names(spec), "bucket_mb": args.bucket_mb,
-                 **({"expert_dim": 0} if spec["kind"] == "qwen3" else {})}
+    sz_config = selection(spec, args.bucket_mb)
 
     def full_state(opt: Any) -> Callable[[], tuple[int, int]]:
         def memory() -> tuple[int, int]:

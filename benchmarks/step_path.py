@@ -56,8 +56,7 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
     kwargs = {"lr": 1e-4, "weight_decay": 0.1, **(optimizer_kwargs or {})}
     if fused:
         kwargs["fused"] = True
-    config = {"params": bench.expert_names(spec), "bucket_mb": 25.0,
-              **({"expert_dim": 0} if spec["kind"] == "qwen3" else {})}
+    config = bench.selection(spec)
 
     class Synthetic(torch.nn.Module):
         """sum(p * g) over the experts: every arm's backward delivers the same gradients."""
@@ -125,7 +124,8 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             times[name]["backward"].append(round_times[name][0])
             times[name]["step"].append(round_times[name][1])
         path["plain"].append(round_times["plain"][1])
-        for name in ("ddp", "selzero", "selzero_segments"):  # copy-in: backward time beyond the plain arm's
+        # copy-in: backward time beyond the plain arm's
+        for name in ("ddp", "selzero", "selzero_segments"):
             path[name].append(max(0.0, round_times[name][0] - round_times["plain"][0])
                               + round_times[name][1])
         ratios.append(path["selzero"][-1] / path["plain"][-1])
@@ -136,6 +136,10 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
                zip(arms["plain"][1], arms["selzero"][1], arms["ddp"][1],
                    arms["selzero_segments"][1]))
     n = len(arms["plain"][1])
+    # after the parity check: the profiled steps run on the selzero arms only
+    profiles = {name: _profile(arms[name][0], lambda name=name: one(name), rounds,
+                               backward_base=statistics.median(times["plain"]["backward"]))
+                for name in ("selzero", "selzero_segments")}
     us = lambda xs: round(1e6 * statistics.median(xs) / n, 2)  # noqa: E731
     ms = lambda xs: round(1000 * statistics.median(xs), 2)  # noqa: E731
     return {"workload": workload, "fused": fused, "device": device_name,
@@ -152,6 +156,8 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             "us_per_tensor": {"plain": us(path["plain"]), "ddp": us(path["ddp"]),
                               "selzero": us(path["selzero"]),
                               "selzero_segments": us(path["selzero_segments"])},
+            "profile_us_per_tensor": {name: {k: round(v * 1e6 / n, 2) for k, v in p.items()}
+                                      for name, p in profiles.items()},
             "ratio_flat_vs_segments": round(statistics.median(flat_ratios), 3),
             "ratio": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
@@ -159,6 +165,59 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             "ratio_vs_ddp_min": round(min(ddp_ratios), 3),
             "ratio_vs_ddp_max": round(max(ddp_ratios), 3),
             "parameters_equal": same}
+
+
+# (phase, object of the instance, method): wall time inside each, nested ones subtracted
+PHASES = (("hooks: presence", "window", "_record_presence"),
+          ("hooks: copy into bucket", "collectives", "fill"),
+          ("hooks: the rest", "window", "_on_grad"),
+          ("reduction point", "window", "reduce"),
+          ("optimizer", "flat_step", "step"),
+          ("gather: cast into row", "storage", "pack_row"),
+          ("gather: copy-out", "collectives", "_unpack"),
+          ("gather: the rest", "collectives", "all_gather_updated"),
+          ("bindings record", "bindings", "record"))
+NESTED = {"hooks: the rest": ("hooks: presence", "hooks: copy into bucket"),
+          "gather: the rest": ("gather: cast into row", "gather: copy-out")}
+
+
+def _profile(sz: Any, one: Any, rounds: int, backward_base: float) -> dict[str, float]:
+    """Seconds per step in each phase of selzero's path (median over ``rounds`` steps), by
+    wrapping the instance's methods with wall clocks (a few hundred ns per call; the timed
+    rounds above run unwrapped). ``backward: autograd`` is the backward beyond plain torch's
+    that no hook accounts for (hook dispatch, unit hooks)."""
+    owners = {"window": sz.window, "collectives": sz.collectives, "flat_step": sz.flat_step,
+              "storage": sz.storage, "bindings": sz.window.bindings}
+    spent = {phase: 0.0 for phase, _, _ in PHASES}
+
+    def wrap(phase: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - t0
+        return timed
+
+    for phase, owner, method in PHASES:
+        setattr(owners[owner], method, wrap(phase, getattr(owners[owner], method)))
+    per_step: dict[str, list[float]] = {phase: [] for phase in spent}
+    per_step["backward: autograd"] = []
+    try:
+        for _ in range(rounds):
+            for phase in spent:
+                spent[phase] = 0.0
+            backward, _step = one()
+            for outer, inner in NESTED.items():
+                spent[outer] -= sum(spent[i] for i in inner)
+            for phase, value in spent.items():
+                per_step[phase].append(value)
+            hooks = sum(v for k, v in spent.items() if k.startswith("hooks"))
+            per_step["backward: autograd"].append(max(0.0, backward - backward_base - hooks))
+    finally:
+        for _phase, owner, method in PHASES:
+            delattr(owners[owner], method)
+    return {phase: statistics.median(v) for phase, v in per_step.items()}
 
 
 def main() -> int:

@@ -194,6 +194,8 @@ def grace_at_exit() -> None:
     """Arm the pause at interpreter exit of [Note: gloo teardown] for this process."""
     global _GRACE_PID
     _GRACE_PID = os.getpid()
+
+
 _GROUPS: dict[tuple[int, tuple[int, ...], float], Any] = {}
 _CREATED: dict[tuple[int, str, tuple[int, ...]], int] = {}
 _NAMING = threading.Lock()

@@ -116,12 +116,16 @@ class FlatStep:
                            and a.shard_offset + a.numel == b.shard_offset)
         self.joinable = torch.tensor(joinable, dtype=torch.bool)
         self.virtual_of_slot = torch.tensor([s.virtual for s in slots], dtype=torch.long)
-        self.eligible_slot = torch.tensor([self.on[self.member_of_group[g]]
-                                           for g in self.group_of_slot], dtype=torch.bool)
-        # flat state: (group, key) -> buffer; which slots hold adopted state
+        self.slots_of_member = [[i for i in range(self.n)
+                                 if self.member_of_group[self.group_of_slot[i]] == m]
+                                for m in range(len(members))]
+        self.scalar_keys = list(dict.fromkeys(key for k in self.keys for key, kind in
+                                              (k or {}).items() if kind == "scalar"))
+        self.eligible_slot = self._eligible()
+        # flat state: (group, key) -> buffer; per slot the public state dict it was given
+        # (None: it holds no state in the flat buffers) and that dict's values then
         self.flat: dict[tuple[int, str], torch.Tensor] = {}
-        self.has = [False] * self.n
-        self.public: list[dict[str, Any] | None] = [None] * self.n  # the dict each slot got
+        self.public: list[dict[str, Any] | None] = [None] * self.n
         self.runs_last_step = 0
         self.numel_of_slot = [s.numel for s in slots]
         self.run_numel = RUN_NUMEL
@@ -131,7 +135,6 @@ class FlatStep:
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grads_clear = False
         self._held: list[tuple[tuple[str, torch.Tensor], ...]] = [()] * self.n
-        self._scratch_views: Any = ()
 
     # ---- eligibility -----------------------------------------------------------------------
 
@@ -159,20 +162,23 @@ class FlatStep:
                 return None
         return keys if keys is not None else {}
 
+    def _eligible(self) -> torch.Tensor:
+        return torch.tensor([self.on[self.member_of_group[g]] for g in self.group_of_slot],
+                            dtype=torch.bool)
+
     def _turn_off(self, m: int) -> None:
-        """The per-segment path for member ``m`` from now on (its public state stays: views
-        of the flat buffers are state like any other)."""
+        """The per-segment path for member ``m`` from now on: its slots' state becomes tensors
+        of their own (clones of the views) and its flat buffers are freed."""
         self.on[m] = False
-        self.eligible_slot = torch.tensor([self.on[self.member_of_group[g]]
-                                           for g in self.group_of_slot], dtype=torch.bool)
+        self.eligible_slot = self._eligible()
         state = self.seg_opt.members[m].state
+        segments = self.storage.segments
         with torch.no_grad():
-            for i, seg in enumerate(self.storage.segments):
-                if self.member_of_group[self.group_of_slot[i]] == m and seg in state:
-                    state[seg] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                  for k, v in state[seg].items()}
-                    self.public[i] = None
-                    self.has[i] = False
+            for i in self.slots_of_member[m]:
+                if segments[i] in state:
+                    state[segments[i]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                          for k, v in state[segments[i]].items()}
+                self.public[i] = None
         for key in [k for k in self.flat if self.member_of_group[k[0]] == m]:
             del self.flat[key]
 
@@ -205,17 +211,17 @@ class FlatStep:
             try:
                 self._step_runs(runs, scratch)
             finally:
-                self._copy_out(stepping, scratch)
+                self._copy_out()
 
     def _runs(self, stepping: torch.Tensor) -> list[tuple[int, int]]:
         """(first, end) slot ranges to step as one tensor each: maximal, then capped."""
         if self.n == 0 or not bool(stepping.any()):
             return []
-        has = torch.tensor(self.has, dtype=torch.bool)
+        has = torch.tensor([p is not None for p in self.public], dtype=torch.bool)
         join = self.joinable.clone()
         join[1:] &= stepping[1:] & stepping[:-1] & (has[1:] == has[:-1])
         both = has[1:] & has[:-1]
-        for key in self._scalar_keys():
+        for key in self.scalar_keys:
             values = self._slot_scalars(key)
             join[1:] &= ~both | (values[1:] == values[:-1])
         join[0] = False
@@ -242,12 +248,6 @@ class FlatStep:
             out.append((start, b))
         return out
 
-    def _scalar_keys(self) -> list[str]:
-        keys: list[str] = []
-        for k in self.keys:
-            keys += [key for key, kind in (k or {}).items() if kind == "scalar" and key not in keys]
-        return keys
-
     def _slot_scalars(self, key: str) -> torch.Tensor:
         """Per slot: the scalar state ``key`` as float64 (NaN where none is held)."""
         out = torch.full((self.n,), float("nan"), dtype=torch.float64)
@@ -260,7 +260,7 @@ class FlatStep:
     def _step_runs(self, runs: list[tuple[int, int]], scratch: torch.Tensor | None) -> None:
         members = self.seg_opt.members
         groups = self.seg_opt.optimizer.param_groups
-        slots, has = self.storage.slots, self.has
+        slots, public = self.storage.slots, self.public
         numels = [self.value_off[b - 1] + slots[b - 1].numel - self.value_off[a] for a, b in runs]
         # values: per base, its runs in order; gradients: all runs, in shard order
         values: list[torch.Tensor] = [scratch if scratch is not None else
@@ -279,7 +279,7 @@ class FlatStep:
         scalars: list[tuple[int, str, list[int], list[torch.Tensor]]] = []
         by_group: dict[int, list[int]] = defaultdict(list)
         for j, (a, _) in enumerate(runs):
-            if has[a]:
+            if public[a] is not None:
                 by_group[self.group_of_slot[a]].append(j)
         for g, js in by_group.items():
             for key, kind in (self.keys[self.member_of_group[g]] or {}).items():
@@ -331,21 +331,19 @@ class FlatStep:
         if not self.fp32_slots:
             return None
         scratch = torch.empty(self.fp32_numel, dtype=_FP32, device=self.storage.grad_shard.device)
-        self._scratch_views = torch.split(scratch, self.fp32_sizes)
+        views = torch.split(scratch, self.fp32_sizes)
         step = stepping.tolist()
         segments = self.storage.segments  # 1-D under chunks, like the scratch views
-        self._copied = [(self._scratch_views[j], segments[i])
+        self._copied = [(views[j], segments[i])
                         for j, i in enumerate(self.fp32_slots) if step[i]]
         if self._copied:
             torch._foreach_copy_([d for d, _ in self._copied], [s for _, s in self._copied])
         return scratch
 
-    def _copy_out(self, stepping: torch.Tensor, scratch: torch.Tensor | None) -> None:
-        if scratch is None:
-            return
+    def _copy_out(self) -> None:
         if self._copied:
             torch._foreach_copy_([s for _, s in self._copied], [d for d, _ in self._copied])
-        self._copied, self._scratch_views = [], ()
+        self._copied = []
 
     # ---- flat state ------------------------------------------------------------------------
 
@@ -375,17 +373,15 @@ class FlatStep:
         state = member.state
         keys = self.keys[m]
         assert keys is not None
-        for i, seg in enumerate(self.storage.segments):
-            g = self.group_of_slot[i]
-            if self.member_of_group[g] != m:
-                continue
+        segments = self.storage.segments
+        for i in self.slots_of_member[m]:
+            g, seg = self.group_of_slot[i], segments[i]
             held = state.get(seg)
             mine = self.public[i]
             if held is not None and held is mine and len(held) == len(self._held[i]) and \
                     all(held.get(k) is v for k, v in self._held[i]):
                 continue  # still ours
             if not held:
-                self.has[i] = False
                 self.public[i] = None
                 continue
             if set(held) != set(keys) or any(
@@ -406,7 +402,6 @@ class FlatStep:
         state[seg] = views
         self.public[i] = views
         self._held[i] = tuple(views.items())
-        self.has[i] = True
 
     def _keep(self, runs: list[tuple[int, int]], numels: list[int], after: list[dict[str, Any]],
               passed: list[dict[str, Any]],
@@ -439,7 +434,7 @@ class FlatStep:
             m = self.member_of_group[g]
             keys = self.keys[m]
             if m in off_members:
-                self._own_state(j, a, b, numels[j], after[j], passed[j])
+                self._own_state(a, b, numels[j], after[j])
                 continue
             if not keys or not after[j]:
                 continue
@@ -463,9 +458,9 @@ class FlatStep:
         for m in off_members:
             self._turn_off(m)
 
-    def _own_state(self, j: int, a: int, b: int, numel: int, after: dict[str, Any],
-                   passed: dict[str, Any]) -> None:
-        """Run j's state, cut into tensors of each of its slots (the flat path ends)."""
+    def _own_state(self, a: int, b: int, numel: int, after: dict[str, Any]) -> None:
+        """The state of the run over slots [a, b), cut into tensors of each of its slots (the
+        flat path ends)."""
         g = self.group_of_slot[a]
         state = self.seg_opt.members[self.member_of_group[g]].state
         at = 0
@@ -481,7 +476,6 @@ class FlatStep:
                     own[key] = value
             state[self.storage.segments[i]] = own
             self.public[i] = None
-            self.has[i] = False
             at += s.numel
 
 

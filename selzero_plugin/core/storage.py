@@ -30,7 +30,7 @@ a third block) get fresh views each time. The copies themselves then run as one
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -221,7 +221,7 @@ class ShardStorage:
                 if not bool(torch.isfinite(self.grad_view(i)).all())]
 
     def memory_report(self, optimizer: torch.optim.Optimizer,
-                      flat: list[torch.Tensor] = ()) -> MemoryReport:  # type: ignore[assignment]
+                      flat: Iterable[torch.Tensor] = ()) -> MemoryReport:
         """Per-rank bytes of gradient shard, optimizer state and masters, from live storages.
         ``flat``: state buffers of the flat step ([Note: flat step]), each a group's real
         lengths packed; state viewing one counts it whole, once."""

@@ -658,7 +658,7 @@ class SelectedZero2:
 
     def memory_report(self) -> MemoryReport:
         """Per-rank bytes of gradient shard, optimizer state and masters, from live storages."""
-        return self.storage.memory_report(self.optimizer, list(self.flat_step.flat.values()))
+        return self.storage.memory_report(self.optimizer, self.flat_step.flat.values())
 
     def remove_hooks(self) -> None:
         """Detach selzero from the model (its parameters' gradients flow normally again)."""
