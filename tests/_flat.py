@@ -52,6 +52,9 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
         sz = SelectedZero2(model, SelZeroConfig(**config), cls, kwargs)
     finally:
         flat_step.ENABLED = True
+    if flat and twist == "bound":  # [Note: scratch bound]: half the fp32 runs fit, the rest
+        # are stepped segment by segment, in place
+        sz.flat_step.scratch_numel = sum(s.numel for s in sz.slots) // 2
     selected = {id(e.param) for e in sz.entries}
     host = cls([p for p in model.parameters() if id(p) not in selected], **kwargs)
     ddp = wrap_ddp(model, sz)
@@ -127,3 +130,35 @@ def flat_and_segments(rank: int, world: int, opt_name: str, steps: int = 5, *,
               scheduler=scheduler, reload_at=reload_at, clear_at=clear_at, twist=twist)
     return {"flat": _arm(rank, True, opt_name, steps, **kw),
             "segments": _arm(rank, False, opt_name, steps, **kw)}
+
+
+def scratch_memory_run(rank: int, world: int) -> dict[str, Any]:
+    """[Note: scratch bound] at allocation level: many small fp32 experts (every rank's share
+    several times the bound), small buckets and runs; the allocation peak of ``sz.step()``
+    beside this rank's share of the subset in bytes."""
+    from torch import nn
+
+    from selzero_plugin.memtrace import track_allocations
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(48, 40) for _ in range(24))})
+    least, flat_step.SCRATCH_NUMEL = flat_step.SCRATCH_NUMEL, 0  # the bucket block binds
+    try:
+        sz = SelectedZero2(model, SelZeroConfig(params=["experts.*"], bucket_mb=0.02,
+                                                name="bound"),
+                           torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+    finally:
+        flat_step.SCRATCH_NUMEL = least
+    sz.flat_step.run_numel = 1024  # AdamW's temporaries are run-sized: keep them small
+    g = torch.Generator().manual_seed(rank)
+    peaks, runs = [], []
+    for _ in range(3):
+        x = torch.randn(5, 48, generator=g)
+        sum(e(x).pow(2).sum() for e in model["experts"]).backward()
+        with track_allocations() as trace:
+            sz.step()
+        peaks.append(trace.peak)
+        runs.append(sz.flat_step.runs_last_step)
+    share = 4 * sum(s.numel for s in sz.slots)
+    return {"peaks": peaks, "share": share, "scratch_numel": sz.flat_step.scratch_numel,
+            "segments": len(sz.segments), "runs": runs}

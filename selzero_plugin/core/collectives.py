@@ -60,6 +60,19 @@ PATIENCE_S = 2.0  # how long a gloo rank waits for early launches before taking 
 logger = logging.getLogger("selzero_plugin")
 
 
+def _one_view_shape(layout: Layout, t: int) -> tuple[int, ...] | None:
+    """The shape of entry t's single flat view (``rowcopy.flat_views``) when it has one: every
+    chunk of each of its virtual parameters full (no remainder row), chunked layout."""
+    if layout.owned:
+        return None
+    ids = layout.entry_virtuals[t]
+    first = layout.virtuals[ids[0]]
+    full, rem = divmod(first.numel, first.chunk_numel)
+    if rem or not full:
+        return None
+    return (full, first.chunk_numel) if len(ids) == 1 else (len(ids), full, first.chunk_numel)
+
+
 class BufferPool:
     """Full-size bucket buffers (bytes), handed out and taken back.
 
@@ -128,6 +141,10 @@ class BucketCollectives:
                                keep=min(max_alive, len(layout.buckets)))  # no idle block
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
+        self.entry_bucket = layout.entry_bucket
+        # per entry: the shape that views its flat gradient as its one block of the bucket's
+        # rows (every chunk full: the common case), or None (several views, rowcopy.py)
+        self.fill_shape = [_one_view_shape(layout, t) for t in range(len(layout.entry_bucket))]
         self.pending: deque[_Launched] = deque()  # launched reductions, oldest first
         self.early_scratch: torch.Tensor | None = None  # zeros, for buckets launched early
         # launch order: bucket order (reverse model order) until the window adopts the order in
@@ -159,13 +176,23 @@ class BucketCollectives:
             self.position[b] = i
 
     def fill(self, t: int, flat: torch.Tensor) -> None:
-        """Add trainable entry t's flat gradient into its bucket's buffer (allocated on need)."""
-        b = self.layout.entry_bucket[t]
-        assert not self.launched(b), "a launched bucket takes no more gradients"
-        buffer = self._buffer(b)
-        add_or_copy(self._row_views(buffer, t), entry_flat_views(self.layout, flat, t),
-                    t in self.filled[b])
-        self.filled[b].add(t)
+        """Add trainable entry t's flat gradient into its bucket's buffer (allocated on need).
+        Once per gradient (the backward's hot path): one view and one copy in the common case."""
+        b = self.entry_bucket[t]
+        assert self.position[b] >= self.next_launch, "a launched bucket takes no more gradients"
+        buffer = self.buffers[b]
+        if buffer is None:
+            buffer = self._buffer(b)
+        views = self.fill_views.get((buffer.data_ptr(), t)) or self._row_views(buffer, t)
+        filled = self.filled[b]
+        shape = self.fill_shape[t]
+        if shape is None:
+            add_or_copy(views, entry_flat_views(self.layout, flat, t), t in filled)
+        elif t in filled:
+            views[0].add_(flat.view(shape))
+        else:
+            views[0].copy_(flat.view(shape))
+        filled.add(t)
 
     def _row_views(self, buffer: torch.Tensor, t: int) -> list[torch.Tensor]:
         """Entry t's views in its bucket's ``buffer``, kept for reused blocks ([Note: cached

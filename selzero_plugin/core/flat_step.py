@@ -13,8 +13,15 @@ So at each step, consecutive segments that are updated, belong to one optimizer 
 equal scalar state (or none yet) and lie next to each other in memory are handed to the
 optimizer as one 1-D tensor, a *run*:
 - values: the FP32 masters (``master_flat``) of bf16/fp16 parameters; an fp32 parameter's
-  segment views the parameter itself, so those values are copied into a scratch (fp32 slots
-  packed) before the update and back after it, one foreach copy each way;
+  segment views the parameter itself: a run of one fp32 segment (a segment of at least
+  ``RUN_NUMEL`` elements, or one that joins no neighbour) is that segment, stepped in place,
+  and the segments of a longer fp32 run are copied into a scratch (packed) before the update
+  and back after it, one foreach copy each way. [Note: scratch bound]: the scratch holds at
+  most one bucket block of elements (``scratch_numel``: the largest bucket's buffer, or
+  ``SCRATCH_NUMEL`` if more) and is the buffer pool's idle block when it fits (on the CPU
+  the pool keeps two; none is in use during the step), so the step allocates nothing new and
+  its transient memory stays within ZeRO-2's "about two buckets"; fp32 runs beyond the bound
+  are stepped segment by segment (their values are the segments themselves);
 - gradients: ``grad_shard``;
 - state: one flat buffer per optimizer group and state key, the group's slots packed;
   scalar state (0-dim) one element per slot. Each segment's public state
@@ -60,6 +67,7 @@ _FP32 = torch.float32
 # cut at slot boundaries once they pass this many elements (4 FP32 arrays of 512 KiB); a
 # segment larger than that is one run, as it is one tensor in the per-segment path.
 RUN_NUMEL = 131072
+SCRATCH_NUMEL = 1 << 22  # the least scratch bound ([Note: scratch bound]): 16 MiB of FP32
 
 ENABLED = True  # read when an instance is built (tests compare both paths)
 
@@ -69,8 +77,10 @@ class FlatStep:
 
     def __init__(self, storage: ShardStorage, optimizer: SegmentOptimizer,
                  entry_of_slot: list[int], *, eligible_classes: Sequence[type],
-                 partition: str, device: torch.device) -> None:
+                 partition: str, device: torch.device, pool: Any = None) -> None:
         self.storage = storage
+        self.pool = pool  # collectives.BufferPool: the scratch is its idle block when it fits
+        self.scratch_numel = max(SCRATCH_NUMEL, pool.block_bytes // 4 if pool is not None else 0)
         self.seg_opt = optimizer
         slots = storage.slots
         self.n = len(slots)
@@ -83,7 +93,8 @@ class FlatStep:
             self.keys.append(self._probe(member, partition, eligible_classes, device)
                              if ENABLED else None)
         self.on = [k is not None for k in self.keys]
-        # layouts: values (masters, or the fp32 scratch), state (per group, packed)
+        # layouts: values (masters, or fp32 slots packed as in a scratch), state (per
+        # group, packed)
         self.is_master = [off is not None for off in storage.master_offset]
         self.value_off: list[int] = []
         fp32 = 0
@@ -133,6 +144,9 @@ class FlatStep:
                                                  if self.group_of_slot[i] == g], dtype=torch.long)
                                 for g in self.group_count}
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the last step's scratch views, kept while its block and its runs stay the same
+        self._scratch_cache: tuple[Any, list[torch.Tensor], list[tuple[torch.Tensor,
+                                                                      torch.Tensor]]] | None = None
         self._grads_clear = False
         self._held: list[tuple[tuple[str, torch.Tensor], ...]] = [()] * self.n
 
@@ -205,13 +219,13 @@ class FlatStep:
                 return
             stepping = torch.tensor(list(update), dtype=torch.bool)[self.virtual_of_slot] & \
                 self.eligible_slot
-            runs = self._runs(stepping)
+            runs = self._bounded(self._runs(stepping))
             self.runs_last_step = len(runs)
-            scratch = self._copy_in(stepping)
+            scratch, values = self._copy_in(runs)
             try:
-                self._step_runs(runs, scratch)
+                self._step_runs(runs, values)
             finally:
-                self._copy_out()
+                self._copy_out(scratch)
 
     def _runs(self, stepping: torch.Tensor) -> list[tuple[int, int]]:
         """(first, end) slot ranges to step as one tensor each: maximal, then capped."""
@@ -248,6 +262,27 @@ class FlatStep:
             out.append((start, b))
         return out
 
+    def _scratch_run(self, run: tuple[int, int]) -> bool:
+        """Does ``run`` step through the scratch (several fp32 segments)?"""
+        return run[1] - run[0] > 1 and not self.is_master[run[0]]
+
+    def _bounded(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Scratch runs beyond ``scratch_numel`` elements in all split into one-segment runs
+        ([Note: scratch bound])."""
+        room = self.scratch_numel
+        out: list[tuple[int, int]] = []
+        for a, b in runs:
+            if not self._scratch_run((a, b)):
+                out.append((a, b))
+                continue
+            numel = self.value_off[b - 1] + self.numel_of_slot[b - 1] - self.value_off[a]
+            if numel <= room:
+                room -= numel
+                out.append((a, b))
+            else:
+                out += [(i, i + 1) for i in range(a, b)]
+        return out
+
     def _slot_scalars(self, key: str) -> torch.Tensor:
         """Per slot: the scalar state ``key`` as float64 (NaN where none is held)."""
         out = torch.full((self.n,), float("nan"), dtype=torch.float64)
@@ -257,21 +292,12 @@ class FlatStep:
                 out[self._slots_of_group[g]] = buf.detach().to("cpu", torch.float64)
         return out
 
-    def _step_runs(self, runs: list[tuple[int, int]], scratch: torch.Tensor | None) -> None:
+    def _step_runs(self, runs: list[tuple[int, int]], values: list[torch.Tensor]) -> None:
         members = self.seg_opt.members
         groups = self.seg_opt.optimizer.param_groups
         slots, public = self.storage.slots, self.public
         numels = [self.value_off[b - 1] + slots[b - 1].numel - self.value_off[a] for a, b in runs]
-        # values: per base, its runs in order; gradients: all runs, in shard order
-        values: list[torch.Tensor] = [scratch if scratch is not None else
-                                      self.storage.master_flat] * len(runs)
-        for master, base in ((True, self.storage.master_flat), (False, scratch)):
-            mine = [j for j, (a, _) in enumerate(runs) if self.is_master[a] == master]
-            if mine:
-                assert base is not None
-                for j, view in zip(mine, _pieces(base, [(self.value_off[runs[j][0]], numels[j])
-                                                        for j in mine])):
-                    values[j] = view
+        # gradients: all runs, in shard order
         grads = _pieces(self.storage.grad_shard,
                         [(slots[a].shard_offset, n) for (a, _), n in zip(runs, numels)])
         # state: per group and key, the stateful runs' pieces; a scalar per run
@@ -326,24 +352,53 @@ class FlatStep:
                              .get(values[j], {}))
             self._keep(runs, numels, after, passed, scalars)
 
-    def _copy_in(self, stepping: torch.Tensor) -> torch.Tensor | None:
-        """fp32 segments view their parameters: their values into a packed scratch."""
-        if not self.fp32_slots:
-            return None
-        scratch = torch.empty(self.fp32_numel, dtype=_FP32, device=self.storage.grad_shard.device)
-        views = torch.split(scratch, self.fp32_sizes)
-        step = stepping.tolist()
-        segments = self.storage.segments  # 1-D under chunks, like the scratch views
-        self._copied = [(views[j], segments[i])
-                        for j, i in enumerate(self.fp32_slots) if step[i]]
-        if self._copied:
-            torch._foreach_copy_([d for d, _ in self._copied], [s for _, s in self._copied])
-        return scratch
+    def _copy_in(self, runs: list[tuple[int, int]]
+                 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """(scratch, each run's values): masters' views, a one-segment fp32 run's segment, the
+        scratch's pieces for the longer fp32 runs, whose segments' values are copied in here
+        ([Note: scratch bound])."""
+        storage = self.storage
+        segments = storage.segments  # 1-D under chunks, like the scratch views
+        values: list[torch.Tensor] = [segments[a] for a, _ in runs]  # one fp32 segment: itself
+        masters = [j for j, (a, _) in enumerate(runs) if self.is_master[a]]
+        for j, view in zip(masters, _pieces(storage.master_flat, [
+                (self.value_off[runs[j][0]], self.value_off[runs[j][1] - 1] +
+                 self.numel_of_slot[runs[j][1] - 1] - self.value_off[runs[j][0]])
+                for j in masters])):
+            values[j] = view
+        packed = [j for j, run in enumerate(runs) if self._scratch_run(run)]
+        if not packed:
+            return None, values
+        sizes = [self.numel_of_slot[i] for j in packed for i in range(*runs[j])]
+        total = sum(sizes)
+        scratch = self.pool.take(total, _FP32) if self.pool is not None else \
+            torch.empty(total, dtype=_FP32, device=storage.grad_shard.device)
+        key = (scratch.data_ptr(), tuple(runs[j] for j in packed))
+        cache = self._scratch_cache
+        if cache is not None and cache[0] == key:
+            run_views, self._copied = cache[1], cache[2]
+        else:
+            slot_views = torch.split(scratch[:total], sizes)
+            self._copied = list(zip(slot_views, (segments[i] for j in packed
+                                                 for i in range(*runs[j]))))
+            run_views = _pieces(scratch, _runs_in(sizes, [runs[j][1] - runs[j][0]
+                                                          for j in packed]))
+            self._scratch_cache = (key, run_views, self._copied) \
+                if self.pool is not None and self.pool.persistent(scratch) else None
+        for j, view in zip(packed, run_views):
+            values[j] = view
+        torch._foreach_copy_([d for d, _ in self._copied], [s for _, s in self._copied])
+        return scratch, values
 
-    def _copy_out(self) -> None:
-        if self._copied:
+    def _copy_out(self, scratch: torch.Tensor | None) -> None:
+        if scratch is None:
+            return
+        try:
             torch._foreach_copy_([s for _, s in self._copied], [d for d, _ in self._copied])
-        self._copied = []
+        finally:
+            self._copied = []
+            if self.pool is not None:
+                self.pool.give(scratch)
 
     # ---- flat state ------------------------------------------------------------------------
 
@@ -477,6 +532,17 @@ class FlatStep:
             state[self.storage.segments[i]] = own
             self.public[i] = None
             at += s.numel
+
+
+def _runs_in(sizes: list[int], counts: list[int]) -> list[tuple[int, int]]:
+    """(start, numel) of consecutive groups of ``counts`` items of ``sizes``, packed."""
+    out, at, i = [], 0, 0
+    for count in counts:
+        numel = sum(sizes[i:i + count])
+        out.append((at, numel))
+        at += numel
+        i += count
+    return out
 
 
 def _pieces(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:

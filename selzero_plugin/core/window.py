@@ -209,6 +209,9 @@ class ReductionWindow:
         # presence of this micro-step: whole parameters on the host (no kernel per gradient),
         # the rows of split fused experts on the device (whether a row is zero is a device fact)
         self.present: set[int] = set()
+        # per entry: its virtual parameter when it is one whole parameter, else -1 (rows)
+        self.whole_virtual = [ids[0] if layout.virtuals[ids[0]].expert is None else -1
+                              for ids in layout.entry_virtuals]
         self.micro_presence = torch.zeros(v, dtype=_I64, device=device)
         self.window_presence = torch.zeros(v, dtype=_I64, device=device)
         self.window_active = torch.zeros((), dtype=_I64, device=device)
@@ -427,34 +430,44 @@ class ReductionWindow:
             raise UsageError(f"parameter {self.trainable[t].name!r} got a sparse gradient; selzero "
                              "reduces dense gradients. Use a dense embedding (sparse=False) or leave "
                              "this parameter out of `params`.")
-        if not self._enter_backward():
+        # once per gradient: the common case (a backward already under way) without calls
+        if self.callback_queued and not self.tentative:
+            if not self.taking:
+                return
+        elif not self._enter_backward():
             return
-        self._record_presence(t, grad)
+        whole = self.whole_virtual[t]
+        if whole >= 0:
+            self.present.add(whole)
+        else:
+            self._record_presence(t, grad)
         # any shape: the copies view it (one view op for most parameters)
         flat = grad if grad.is_contiguous() and not grad.requires_grad else \
             grad.detach().contiguous()
-        if not self.syncing:
+        sync = self.backward_sync
+        if not (self.sync if sync is None else sync):
             _accumulate_into(self.local, t, flat)
             return
-        if self.collectives.launched(self.layout.entry_bucket[t]):
+        collectives = self.collectives
+        if collectives.launched(collectives.entry_bucket[t]):
             _accumulate_into(self.late_grads, t, flat)  # reduced at the reduction point
             return
-        self.collectives.fill(t, flat)
-        local = self.local.pop(t, None)
-        if local is not None:
-            self.collectives.fill(t, local)
+        collectives.fill(t, flat)
+        if self.local:
+            local = self.local.pop(t, None)
+            if local is not None:
+                collectives.fill(t, local)
 
     def _record_presence(self, t: int, grad: torch.Tensor) -> None:
+        """The rows of a split fused expert tensor that got a gradient (whole parameters are
+        recorded by the hook itself)."""
         ids = self.layout.entry_virtuals[t]
-        if self.layout.virtuals[ids[0]].expert is None:  # a whole parameter
-            self.present.add(ids[0])
-        else:
-            # a row is present when it holds a value other than (+-)0: its max or min is
-            # non-zero (NaN counts). Two reductions, no full-size temporary (`ne(0)` made a
-            # bool copy of the gradient and took 7x as long)
-            rows = grad.detach().reshape(len(ids), -1)
-            present = (rows.amax(dim=1) != 0) | (rows.amin(dim=1) != 0)
-            self.micro_presence[ids[0]:ids[-1] + 1] |= present.to(_I64)
+        # a row is present when it holds a value other than (+-)0: its max or min is
+        # non-zero (NaN counts). Two reductions, no full-size temporary (`ne(0)` made a
+        # bool copy of the gradient and took 7x as long)
+        rows = grad.detach().reshape(len(ids), -1)
+        present = (rows.amax(dim=1) != 0) | (rows.amin(dim=1) != 0)
+        self.micro_presence[ids[0]:ids[-1] + 1] |= present.to(_I64)
 
     def _on_unit_passed(self, u: int) -> None:
         if not self._enter_backward():

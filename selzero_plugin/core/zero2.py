@@ -271,7 +271,7 @@ class SelectedZero2:
                                                   self.host_optimizer)
         self.flat_step = FlatStep(self.storage, self.segment_optimizer, entry_of_slot,
                                   eligible_classes=ELEMENTWISE, partition=config.partition,
-                                  device=comm.device)
+                                  device=comm.device, pool=self.collectives.pool)
         self._normalize_comm: Communicator | None = None
         self._world_comm: Communicator | None = None
         self._control_comm: Communicator | None = None
