@@ -36,12 +36,12 @@ matter but the optimizer's ``ns_steps`` did), so a changed plan never refuses a 
 Loading checks, in this order and on every rank (DESIGN.md section 2): manifest present and
 readable, format version, group size, contract (names, aliases, shapes, dtypes, frozen flags,
 expert split), optimizer class and state keys, then this rank's shard (present, byte size,
-sha256, the tensors the manifest implies). Each rank then reads every tensor of its shard into
-fresh memory. The ranks agree on the verdict (the first failing rank's error is raised on every
-rank) *and on the sha256 of the manifest they read* (ranks pointed at different complete
-checkpoints all raise) before anything changes (load.py). Then each rank swaps its values into
-its segments and state into its optimizer, and one all-gather rebuilds the full parameters, so
-every rank holds the saved values. Runtime settings (lr and the other
+sha256, the tensors the manifest implies). The ranks agree on the verdict (the first failing
+rank's error is raised on every rank) *and on the sha256 of the manifest they read* (ranks
+pointed at different complete checkpoints all raise) before anything changes. Then each rank
+streams its values into its segments and state into its optimizer's tensors, one at a time, the
+ranks agree that all did, and one all-gather rebuilds the full parameters, so every rank holds
+the saved values ([Note: streaming load] in load.py). Runtime settings (lr and the other
 hyperparameters, ``bucket_mb``, ``reduction``, ``timeout_s``) are this run's, not the saved
 ones: the manifest records them for reference, and for one exception, the lr of groups an LR
 scheduler drives through ``sz.optimizer`` ([Note: scheduled lr] in core/zero2.py).

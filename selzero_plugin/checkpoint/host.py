@@ -42,7 +42,7 @@ from ..core.contract import agree_on_local_errors
 from ..core.zero2 import SelectedZero2
 from ..errors import CheckpointError, SelZeroError, UsageError
 from .atomic import fsync_dir, leftover_stagings, previous_folder
-from .load import install_read, read_checkpoint
+from .load import finish_loads, install_read, read_checkpoint
 from .save import discard_staged, local_phase, place_staged, stage_checkpoint
 
 __all__ = ["FOLDER", "INDEX", "save_into", "load_from", "has_folder", "read_index",
@@ -354,10 +354,10 @@ def _check_against_index(host_dir: Path, index: dict[str, Any],
 
 def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero2]) -> None:
     """Every rank of the job calls it: the index is checked against this run's layout, every
-    instance's part is checked and read into fresh memory, then the ranks agree (on the
-    verdict, on the index each read, and within each group on the manifest) and only then
-    does any rank swap state in: every rank of the job loads, or every rank raises the same
-    error and keeps its state."""
+    instance's part is checked (no tensor read), then the ranks agree (on the verdict, on the
+    index each read, and within each group on the manifest) and only then does any rank write
+    state, in place ([Note: streaming load] in load.py): every rank of the job loads, or every
+    rank raises the same error (a failed check changes nothing)."""
     host_dir = Path(host_dir)
     what = f"load from {host_dir}"
     root = host_dir / FOLDER
@@ -391,5 +391,8 @@ def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
                     "read different manifest.json files (ranks pointed at different "
                     "checkpoints, or node-local copies that differ); every rank must load the "
                     "same checkpoint. Nothing was loaded.")
-    for sz, read in zip(instances, reads):
-        install_read(sz.checkpoint_view(), read, what=what)
+    views = [sz.checkpoint_view() for sz in instances]
+    error = None
+    for view, read in zip(views, reads):  # [Note: streaming load]: every instance, then agree
+        error = install_read(view, read, what=what) or error
+    finish_loads(world, views, error, what=what)

@@ -1,11 +1,22 @@
-"""Loading: check, read into fresh memory, agree, then swap ([Note: checkpoint format]).
+"""Loading: check everything, agree, then stream the state in place ([Note: checkpoint format]).
 
-Every rank checks the checkpoint against its run and reads every tensor of its shard into new
-tensors, changing nothing. One exchange then agrees on the verdict and on the sha256 of the
-manifest each rank read: a rank whose read failed (an I/O error after the checks), or ranks
-pointed at different complete checkpoints (node-local copies, a stale network view, one rank
-falling back to ``.previous``), make every rank raise with its state untouched. Only then does
-every rank swap the new tensors in (``ShardView.install``).
+[Note: streaming load]
+Every rank first checks the checkpoint against its run without reading any tensor: manifest,
+format, group size, contract, optimizer class and state keys, and each shard it will read in
+full (size, sha256, the safetensors header against the manifest's plan). One exchange then
+agrees on the verdict and on the sha256 of the manifest each rank read: a failed check on any
+rank, or ranks pointed at different complete checkpoints (node-local copies, a stale network
+view, one rank falling back to ``.previous``), make every rank raise with its state untouched.
+Only then does each rank read its tensors one slot at a time straight into place: a value into
+its segment, optimizer state into the tensors the optimizer already holds (new ones only for
+segments that had none), so a load needs no memory beyond one slot's tensors and the mapped
+pages ``LazyShard`` bounds (it used to read the rank's whole share into fresh memory first:
++105 MiB on workload a, where ``torch.distributed.checkpoint`` loads in place). A second
+exchange agrees that every rank wrote its part; then the full parameters are all-gathered.
+What this gives up: a read that fails *after* its file passed the checksum (the disk fails or
+the file is replaced between the two reads) leaves a mixture. Every rank then raises, and the
+instance refuses ``step()``, ``reduce_gradients()`` and ``save_checkpoint()`` on every rank
+until a load succeeds.
 """
 
 from __future__ import annotations
@@ -18,30 +29,41 @@ from typing import Any
 
 import torch
 
+from ..core.comm import Communicator
 from ..core.contract import agree_on_local_errors
 from ..core.view import ShardView
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, SelZeroError, UsageError
 from .atomic import MANIFEST_NAME, previous_folder
 from .format import (ELEMENTWISE, VALUE, Manifest, RunSchema, VirtualRecord, check_against_run,
                      check_shard, describe_run, read_manifest, resolve_folder, state_specs,
-                     tensor_key)
+                     tensor_key, tensor_shape)
 from .safetensors_io import LazyShard
 from .save import local_phase, manifest_save_id
 
-__all__ = ["load_checkpoint", "read_checkpoint", "install_read"]
+__all__ = ["load_checkpoint", "read_checkpoint", "install_read", "finish_loads"]
 
 
 @dataclass
 class _Read:
+    """A checked checkpoint, ready to be streamed in: where each slot's tensors are."""
+
     notes: list[str]
     manifest_sha256: bytes
-    values: list[torch.Tensor]  # one per slot, in slot order
-    states: dict[int, dict[str, torch.Tensor]]  # by slot index
+    slots: list["_SlotSource"]  # in slot order
     scheduled: list[dict[str, Any] | None]  # by this run's group: its saved hyperparameters
 
 
+@dataclass(frozen=True)
+class _SlotSource:
+    shard: Path
+    value: str  # tensor name of the value
+    shape: tuple[int, ...]  # this run's segment shape
+    state: tuple[tuple[str, str, tuple[int, ...]], ...] | None  # (state key, tensor name, shape)
+
+
 def load_checkpoint(view: ShardView, folder: str | Path) -> None:
-    """Every rank calls this: all ranks load, or all raise the same error and keep their state."""
+    """Every rank calls this: all ranks load, or all raise the same error; a failed check
+    changes nothing ([Note: streaming load])."""
     folder = Path(folder)
     what = f"load_checkpoint({folder})"
     read, error = local_phase(read_checkpoint, view, folder)
@@ -49,24 +71,77 @@ def load_checkpoint(view: ShardView, folder: str | Path) -> None:
                           token=b"" if read is None else read.manifest_sha256,
                           token_error=CheckpointError,
                           token_what="checkpoint (the sha256 of its manifest.json differs)")
-    install_read(view, read, what=what)
+    assert read is not None
+    finish_loads(view.comm, [view], install_read(view, read, what=what), what=what)
 
 
 def read_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None = None,
                     indexed: bool = False) -> _Read:
-    """This rank's part, checked and read into fresh memory; no collective, nothing changed.
-    ``indexed`` (read through an index.json, whose ``save_id`` is given; None for an index
-    written without one) reads the folder whose manifest holds that ``save_id``: ``folder``,
-    or ``<folder>.previous`` after a save interrupted between
-    putting instances in place ([Note: checkpoint index])."""
+    """This rank's part, checked (every shard it reads: size, sha256, header); no tensor is
+    read, no collective, nothing changed. ``indexed`` (read through an index.json, whose
+    ``save_id`` is given; None for an index written without one) reads the folder whose
+    manifest holds that ``save_id``: ``folder``, or ``<folder>.previous`` after a save
+    interrupted between putting instances in place ([Note: checkpoint index])."""
     return _check_and_read(view, Path(folder), save_id, indexed)
 
 
-def install_read(view: ShardView, read: _Read, *, what: str) -> None:
-    """Every rank of the group, once every rank agreed: swap the read state in."""
+def install_read(view: ShardView, read: _Read, *, what: str) -> CheckpointError | None:
+    """Local, once every rank agreed on the checks: stream the tensors in place. Returns the
+    error to agree on (``finish_loads``), None when this rank wrote its whole part."""
     for note in read.notes:
         warnings.warn(f"[rank {view.comm.rank}/{view.comm.size}] {what}: {note}", stacklevel=3)
-    view.install(read.values, read.states, read.scheduled)
+    readers: dict[Path, LazyShard] = {}
+    device = view.comm.device
+
+    def source(i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        slot = read.slots[i]
+        reader = readers.get(slot.shard)
+        if reader is None:
+            reader = readers[slot.shard] = LazyShard(slot.shard)
+        value = reader.read(slot.value)
+        if tuple(value.shape) != slot.shape and value.numel() == _numel(slot.shape):
+            value = value.reshape(slot.shape)
+        if tuple(value.shape) != slot.shape:
+            raise CheckpointError(f"{slot.value}: saved value of shape {list(value.shape)}, "
+                                  f"this run's segment is {list(slot.shape)}")
+        if slot.state is None:
+            return value, None
+        return value, {key: reader.read(name).to(device).reshape(shape)
+                       for key, name, shape in slot.state}
+
+    try:
+        view.install(source, read.scheduled)
+    except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
+        return CheckpointError(
+            f"[rank {view.comm.rank}/{view.comm.size}] {what}: reading the checked shard into "
+            f"place failed ({type(e).__name__}: {e}); the files passed their sha256 check just "
+            "before, so the disk failed or a file was replaced meanwhile.")
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return None
+
+
+def finish_loads(comm: Communicator, views: list[ShardView], error: SelZeroError | None, *,
+                 what: str) -> None:
+    """Every rank, after ``install_read`` of every instance: agree that every rank wrote its
+    part, then all-gather each instance's parameters; if any rank failed, every instance
+    refuses to step on every rank and every rank raises ([Note: streaming load])."""
+    try:
+        agree_on_local_errors(comm, error, what=what)
+    except SelZeroError as e:
+        for view in views:
+            view.refuse_steps(str(e))
+        raise
+    for view in views:
+        view.gather_installed()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _resolve(folder: Path, save_id: str | None, indexed: bool) -> tuple[Path, list[str]]:
@@ -103,12 +178,12 @@ def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
     run = describe_run(view)
     check_against_run(manifest, run, view.comm.size, str(path))
     if manifest.partition == "tensors":
-        values, states = _read_owned(view, manifest, path, run.virtuals)
+        slots = _owned_sources(view, manifest, path, run.virtuals)
     else:
         shard = check_shard(path, manifest, view.comm.rank)
-        values, states = _read_shard(view, manifest, shard, run.virtuals)
-    return _Read(notes, sha, values, states, _saved_hyper_by_group(manifest, run,
-                                                                   len(view.group_hyperparameters)))
+        slots = _shard_sources(view, manifest, shard, run.virtuals)
+    return _Read(notes, sha, slots, _saved_hyper_by_group(manifest, run,
+                                                          len(view.group_hyperparameters)))
 
 
 def _saved_hyper_by_group(manifest: Manifest, run: RunSchema, groups: int
@@ -124,57 +199,36 @@ def _saved_hyper_by_group(manifest: Manifest, run: RunSchema, groups: int
     return [manifest.group_hyper[next(iter(s))] if len(s) == 1 else None for s in sources]
 
 
-def _read_shard(view: ShardView, manifest: Manifest, shard: Path, run: list[VirtualRecord]
-                ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-    device = view.comm.device
-    values: list[torch.Tensor] = []
-    states: dict[int, dict[str, torch.Tensor]] = {}
+def _shard_sources(view: ShardView, manifest: Manifest, shard: Path, run: list[VirtualRecord]
+                   ) -> list[_SlotSource]:
     by_key = manifest.virtual_by_key  # by key: a resharded manifest may list another order
-    with LazyShard(shard) as reader:
-        for i, chunk in enumerate(view.chunks()):
-            v = by_key[run[chunk.slot.virtual].key]
-            values.append(_fresh(reader.read(tensor_key(v.key, VALUE)), device))
-            if v.stateful:
-                shape = chunk.segment.shape
-                states[i] = {key: _fresh(reader.read(tensor_key(v.key, key)), device).reshape(
-                    shape if spec.kind == ELEMENTWISE else ())
-                    for key, spec in manifest.group_state[v.group].items()}
-    if len(values) != len(view.chunks()):
-        raise CheckpointError(f"{shard}: expected {len(view.chunks())} value tensors")
-    return values, states
+    out = []
+    for chunk in view.chunks():
+        v = by_key[run[chunk.slot.virtual].key]
+        shape = tuple(chunk.segment.shape)
+        state = tuple((key, tensor_key(v.key, key), shape if spec.kind == ELEMENTWISE else ())
+                      for key, spec in manifest.group_state[v.group].items()) \
+            if v.stateful else None
+        out.append(_SlotSource(shard, tensor_key(v.key, VALUE), shape, state))
+    return out
 
 
-def _read_owned(view: ShardView, manifest: Manifest, folder: Path, run: list[VirtualRecord]
-                ) -> tuple[list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+def _owned_sources(view: ShardView, manifest: Manifest, folder: Path, run: list[VirtualRecord]
+                   ) -> list[_SlotSource]:
     """Whole-tensor ownership: each tensor this rank owns, read whole from the shard of the
-    rank that owned it when saved (checked first, once per shard read); [Note: checkpoint
+    rank that owned it when saved (each such shard checked here, once); [Note: checkpoint
     format]."""
-    device = view.comm.device
     by_key = manifest.virtual_by_key
     chunks = view.chunks()
     wanted = [by_key[run[c.slot.virtual].key] for c in chunks]
-    readers = {r: LazyShard(check_shard(folder, manifest, r))
-               for r in sorted({v.owner for v in wanted if v.owner is not None})}
-    values: list[torch.Tensor] = []
-    states: dict[int, dict[str, torch.Tensor]] = {}
-    try:
-        for i, (chunk, v) in enumerate(zip(chunks, wanted)):
-            assert v.owner is not None
-            reader = readers[v.owner]
-            value = _fresh(reader.read(tensor_key(v.key, VALUE)), device)
-            if tuple(value.shape) != tuple(chunk.segment.shape):
-                raise CheckpointError(f"{v.key}: saved value of shape {list(value.shape)}, this "
-                                      f"run's parameter is {list(chunk.segment.shape)}")
-            values.append(value)
-            if v.stateful:
-                states[i] = {key: _fresh(reader.read(tensor_key(v.key, key)), device)
-                             for key in state_specs(manifest, v)}
-    finally:
-        for reader in readers.values():
-            reader.close()
-    return values, states
-
-
-def _fresh(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy in new memory (never a view of the file's mapping)."""
-    return tensor.to(device=device, copy=True)
+    shards = {r: check_shard(folder, manifest, r)
+              for r in sorted({v.owner for v in wanted if v.owner is not None})}
+    out = []
+    for chunk, v in zip(chunks, wanted):
+        assert v.owner is not None
+        specs = state_specs(manifest, v)
+        state = tuple((key, tensor_key(v.key, key), tensor_shape(v, spec))
+                      for key, spec in specs.items()) if v.stateful else None
+        out.append(_SlotSource(shards[v.owner], tensor_key(v.key, VALUE),
+                               tuple(chunk.segment.shape), state))
+    return out

@@ -449,8 +449,10 @@ class FlatStep:
                 self._buffer(g, key, kind, held[key])
             views = self._slot_state(g, i, keys, held)
             for key, view in views.items():
-                if held[key] is not view:
-                    view.copy_(held[key].detach().view(view.shape))
+                value = held[key]
+                if value is not view and not (value.data_ptr() == view.data_ptr() and
+                                              value.shape == view.shape):  # (a load in place)
+                    view.copy_(value.detach().view(view.shape))
             self._install(i, seg, state, views)
 
     def _install(self, i: int, seg: Any, state: Any, views: dict[str, torch.Tensor]) -> None:

@@ -1,9 +1,9 @@
 """What the checkpoint code sees of an engine: a small public view (DESIGN.md section 4).
 
 The checkpoint package never reaches into the engine's parts; it reads this rank's chunks and
-optimizer state through ``ShardView`` and swaps loaded state in with ``install``, which copies
-values into the segments, loads the optimizer state, rebuilds the full parameters with one
-all-gather and resets the window, as one step.
+optimizer state through ``ShardView``, writes loaded state in place with ``install`` (local) and,
+once every rank agreed, rebuilds the full parameters with ``gather_installed`` (one all-gather,
+the window reset).
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ class ShardView:
     expert_parallel: tuple[int, int] | None  # (ep_rank, ep_size) of an expert-parallel instance
     partition: str  # "chunks", or "tensors": whole (virtual) parameters, VirtualSpec.owner
     _chunks: Callable[[], list[Chunk]]
-    _install: Callable[[list[torch.Tensor], dict[int, dict[str, torch.Tensor]],
+    _install: Callable[[Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor] | None]],
                         list[dict[str, Any] | None]], None]
+    _gather: Callable[[], None]
+    _refuse: Callable[[str], None]
     _check: Callable[[], None]
 
     def check_installable(self) -> None:
@@ -62,10 +64,22 @@ class ShardView:
     def chunks(self) -> list[Chunk]:
         return self._chunks()
 
-    def install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
+    def install(self, source: Callable[[int], tuple[torch.Tensor,
+                                                    dict[str, torch.Tensor] | None]],
                 scheduled: list[dict[str, Any] | None] | None = None) -> None:
-        """Swap in loaded values (one per slot, in slot order) and optimizer state (keyed by slot
-        index), then all-gather the full parameters. Every rank of the group calls it.
-        ``scheduled``: for each optimizer group, the saved hyperparameters of the group its
-        parameters were saved in, or None ([Note: scheduled lr])."""
-        self._install(values, states, scheduled or [])
+        """Local: write loaded state in place, slot by slot (``source(i)``: slot i's value in
+        the segment's shape and its optimizer state, None when it never stepped), one slot's
+        tensors in memory at a time. ``scheduled``: for each optimizer group, the saved
+        hyperparameters of the group its parameters were saved in, or None ([Note: scheduled
+        lr]). Every rank then agrees on the outcome and calls ``gather_installed`` or, when
+        any rank failed, ``refuse_steps``."""
+        self._install(source, scheduled or [])
+
+    def gather_installed(self) -> None:
+        """Every rank of the group: all-gather the full parameters after ``install``."""
+        self._gather()
+
+    def refuse_steps(self, reason: str) -> None:
+        """Every rank of the group, when an install failed on some rank: the instance refuses
+        to step or save until a load succeeds."""
+        self._refuse(reason)

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import SelZeroConfig
-from ..errors import (ConfigError, NonFiniteGradientError, OptimizerNotSupportedError,
-                      SelectionError, SelZeroError, UsageError)
+from ..errors import (CheckpointError, ConfigError, NonFiniteGradientError,
+                      OptimizerNotSupportedError, SelectionError, SelZeroError, UsageError)
 from .binding import KINDS, REPLACED, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
@@ -104,6 +104,7 @@ class SelectedZero2:
         if not isinstance(config, SelZeroConfig):
             raise ConfigError(f"config: expected a SelZeroConfig or a dict of its fields, got "
                               f"{type(config).__name__}; e.g. SelZeroConfig(params=['*.experts.*']).")
+        self._load_failed: str | None = None  # [Note: streaming load]: steps are refused
         self.expert_parallel: tuple[int, int] | None = None
         """(ep_rank, ep_size) when built over an expert-data-parallel group (``group`` given as
         ``selzero_plugin.groups.ExpertGroups``); None otherwise."""
@@ -402,6 +403,7 @@ class SelectedZero2:
 
     def reduce_gradients(self, weight: Any = None, active: bool | None = None) -> None:
         """Finish the window: reduce, agree on presence / weight / non-finite, normalize."""
+        self._check_loaded("reduce_gradients()")
         self.window.reduce(weight, active)
 
     def _require_reduced(self, what: str) -> None:
@@ -452,6 +454,7 @@ class SelectedZero2:
     def step(self, lr: float | None = None, weight: Any = None,
              active: bool | None = None) -> StepResult:
         """Reduce (unless done), update this rank's segments, all-gather the subset."""
+        self._check_loaded("step()")
         window = self.window
         if not window.reduced():  # (a window whose backward raised since is dropped there)
             window.reduce(weight, active, from_step=True)
@@ -600,32 +603,59 @@ class SelectedZero2:
             group_classes=[p.cls or self._opt_cls for p in self._plans], optimizer=self.optimizer,
             idle=window.state is WindowState.IDLE, window_state=window.state.value,
             expert_parallel=self.expert_parallel, partition=self.config.partition,
-            _chunks=self._chunks, _install=self._install,
-            _check=self._check_dtypes)
+            _chunks=self._chunks, _install=self._install, _gather=self._gather_installed,
+            _refuse=self._refuse_steps, _check=self._check_dtypes)
 
     def _chunks(self) -> list[Chunk]:
         return [Chunk(slot, seg, self.optimizer.state.get(seg) or {})
                 for slot, seg in zip(self.storage.slots, self.storage.segments)]
 
-    def _install(self, values: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
+    def _install(self, source: Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor] | None]],
                  scheduled: list[dict[str, Any] | None] | None = None) -> None:
+        """The local phase of a load ([Note: streaming load] in checkpoint/load.py), slot by
+        slot: ``source(i)`` reads slot i's value and optimizer state (None: never stepped);
+        the value is copied into the segment, the state into the tensors the optimizer holds
+        for it when they match (else the read ones are taken). Communicates nothing: the
+        caller agrees on the outcome, then calls ``_gather_installed``. From here until then
+        the instance refuses to step (a failure part way leaves mixed state)."""
+        self._load_failed = "the load was interrupted while it wrote the loaded state in place"
         self._check_dtypes()
         self.storage.rebind()
-        with torch.no_grad():
-            for seg, value in zip(self.storage.segments, values):
-                seg.detach().copy_(value)
         optimizer = self.optimizer
         index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups
                                                 for p in g["params"])}
-        segments = self.storage.segments
-        by_index = {index[id(segments[i])]: state for i, state in states.items()}
+        by_index: dict[int, dict[str, torch.Tensor]] = {}
+        device = self.comm.device
+        with torch.no_grad():
+            for i, seg in enumerate(self.storage.segments):
+                value, state = source(i)
+                seg.detach().copy_(value)
+                if state is not None:
+                    by_index[index[id(seg)]] = _into_held(optimizer.state.get(seg), state, device)
         # This run's hyperparameters stay (runtime settings); only the state is replaced.
         optimizer.load_state_dict({"state": by_index,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
         self._restore_scheduled(scheduled or [])
+
+    def _gather_installed(self) -> None:
+        """Every rank of the group, once every rank installed: rebuild the full parameters."""
         self.collectives.all_gather_updated([True] * len(self.layout.virtuals))
         self.window.bindings.record()
         self.window.finish_step()  # an idle window (checked before reading): nothing launched
+        self._load_failed = None
+
+    def _refuse_steps(self, reason: str) -> None:
+        """A load failed on some rank after it began writing in place (every rank calls it)."""
+        self._load_failed = reason
+
+    def _check_loaded(self, what: str) -> None:
+        if self._load_failed is not None:
+            self.zero_grad()  # every rank holds the same flag: every rank drops the window
+            raise CheckpointError(
+                f"[rank {self.rank}/{self.world_size}] {what}: the last load_checkpoint failed "
+                f"after it began writing the loaded state in place ({self._load_failed}); the "
+                "subset's parameters and optimizer state are a mixture. Nothing was done: load "
+                "a checkpoint again (sz.load_checkpoint, or the host's load) before training.")
 
     def _restore_scheduled(self, saved: list[dict[str, Any] | None]) -> None:
         """[Note: scheduled lr] Hyperparameters are this run's (runtime settings), with one
@@ -649,6 +679,7 @@ class SelectedZero2:
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
         staged beside ``folder`` and put in place by one rank once complete."""
+        self._check_loaded(f"save_checkpoint({folder})")
         _io().save(self.checkpoint_view(), folder)
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
@@ -733,6 +764,20 @@ def owning_instance(param: torch.Tensor) -> "SelectedZero2 | None":
     owner = getattr(param, "_selzero_owner", None)
     live = owner() if owner is not None else None
     return live if live is not None and live.window.installed else None
+
+
+def _into_held(held: dict[str, Any] | None, read: dict[str, torch.Tensor],
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """One segment's loaded state: copied into the tensors the optimizer holds for it when
+    they have the same keys and shapes (no new memory; the flat step's views stay), else the
+    read tensors in new memory (never views of the file's mapping)."""
+    if held and set(held) == set(read) and all(
+            isinstance(held[k], torch.Tensor) and held[k].shape == v.shape
+            for k, v in read.items()):
+        for k, v in read.items():
+            held[k].copy_(v)
+        return dict(held)
+    return {k: v.to(device=device, copy=True) for k, v in read.items()}
 
 
 def _take_stale_grads(trainable: list[SelectedEntry]) -> None:
