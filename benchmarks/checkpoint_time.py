@@ -16,6 +16,15 @@ all-gather that rebuilds the replicated parameters from the shards, as selzero's
 over rounds. Peak RSS growth: the peak RSS (VmHWM, reset to the current RSS just before) minus
 the RSS before the operation. Each load is checked: the state, the shards and the whole
 expert parameters are zeroed first and must equal what was saved afterwards.
+
+``--reshard-to M`` adds the change of world size, N -> M: the same trained state saved at N
+ranks, then for ``selzero`` the offline ``selzero reshard`` (one process, as the CLI runs it:
+``relayout.reshard_root``) and a load at M ranks, for ``dcp`` DCP's own load at M ranks (it
+reshards at load time: each rank reads the pieces of the saved shards its new DTensor shards
+cover). Each loaded rank checks every segment, moment and step count against the full state
+of the saved checkpoint (read with selzero's offline reader, sliced at this rank's chunks).
+Reported: reshard seconds and peak RSS growth (its process), load seconds at M (slowest
+rank) and peak RSS growth, and the ratio of selzero's reshard + load to DCP's load.
 """
 
 from __future__ import annotations
@@ -199,6 +208,162 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], work: str, o
     dist.destroy_process_group()
 
 
+def _trained(spec: dict[str, Any], rank: int, world: int) -> tuple[Any, Any, Any]:
+    """The workload's model, selzero on its experts beside DDP, after one training step."""
+    import torch
+
+    from selzero_plugin import SelectedZero2, wrap_ddp
+
+    model = build_model(spec)
+    kwargs = {"lr": 1e-4, "weight_decay": 0.1}
+    sz = SelectedZero2(model, {"params": ["*.experts.*"]}, torch.optim.AdamW, kwargs)
+    ddp = wrap_ddp(model, sz)
+    host = torch.optim.AdamW([p for n, p in model.named_parameters() if not is_expert(spec, n)],
+                             **kwargs)
+    _loss(model, spec, _batch(spec, rank, "selzero", "cpu"), ddp).backward()
+    host.step()
+    sz.step()
+    return model, sz, host
+
+
+def _reshard_worker(rank: int, world: int, mode: str, phase: str, spec: dict[str, Any],
+                    work: str, out: str) -> None:
+    """``save`` at N ranks (the trained state; selzero also writes the truth the loads are
+    checked against), or ``load`` at M ranks into a fresh instance."""
+    import torch
+    import torch.distributed as dist
+
+    from selzero_plugin.checkpoint.host import load_from, save_into
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{work}/init-{phase}", rank=rank,
+                            world_size=world)
+    folder = Path(work)
+    result: dict[str, float] = {}
+    if phase == "save":
+        _model, sz, _host = _trained(spec, rank, world)
+        if mode == "selzero":
+            save_into(folder / "selzero", [sz])
+            save_into(folder / "truth", [sz])
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(_dcp_state(sz, world), checkpoint_id=str(folder / "dcp"))
+    else:
+        from selzero_plugin import SelectedZero2
+
+        model = build_model(spec)
+        sz = SelectedZero2(model, {"params": ["*.experts.*"]}, torch.optim.AdamW,
+                           {"lr": 1e-4, "weight_decay": 0.1})
+        # DCP loads into existing tensors: state of the right shapes first, for both (selzero
+        # then writes into it in place too: like for like)
+        for seg in sz.segments:
+            sz.optimizer.state[seg] = {"step": torch.tensor(0.0),
+                                       "exp_avg": torch.zeros_like(seg),
+                                       "exp_avg_sq": torch.zeros_like(seg)}
+        dist.all_reduce(torch.zeros(1))
+        before = _reset_peak_rss()
+        t0 = time.perf_counter()
+        if mode == "selzero":
+            load_from(folder / "selzero-resharded", [sz])
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(_dcp_state(sz, world), checkpoint_id=str(folder / "dcp"))
+            sz.collectives.all_gather_updated([True] * len(sz.layout.virtuals))
+        elapsed = torch.tensor([time.perf_counter() - t0, _peak_rss() - before],
+                               dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        result = {"load": float(elapsed[0]), "load_rss": float(elapsed[1])}
+        _check_against_truth(sz, folder / "truth" / "selected_zero2" / "selected_zero2", mode)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _check_against_truth(sz: Any, truth: Path, mode: str) -> None:
+    """Every segment, moment and step count equals the saved full state at this rank's chunk."""
+    import torch
+
+    from selzero_plugin.checkpoint.tools import iter_full_state, open_checkpoint
+
+    folder, manifest = open_checkpoint(truth)
+    full = {(v.key, what): t for v, what, t in iter_full_state(folder, manifest)}
+    for slot, seg in zip(sz.slots, sz.segments):
+        v = sz.layout.virtuals[slot.virtual]
+        name = sz.virtual_name(slot.virtual)
+        start = v.chunk_start(sz.rank) - v.flat_offset
+        piece = slice(start, start + slot.numel)
+        state = sz.optimizer.state[seg]
+        for what, mine in (("value", seg.detach()), ("exp_avg", state["exp_avg"]),
+                           ("exp_avg_sq", state["exp_avg_sq"])):
+            expected = full[name, what].reshape(-1)[piece]
+            assert torch.equal(mine.reshape(-1), expected), f"{mode}: {name} {what} differs"
+        assert float(state["step"]) == float(full[name, "step"]), f"{mode}: {name} step"
+
+
+def _timed_reshard(_index: int, work: str, world: int, out: str) -> None:
+    """The offline ``selzero reshard`` in a process of its own: seconds, peak RSS growth."""
+    from selzero_plugin.checkpoint.relayout import find_root, reshard_root
+
+    found = find_root(Path(work) / "selzero")
+    assert found is not None
+    before = _reset_peak_rss()
+    t0 = time.perf_counter()
+    reshard_root(found[0], world, None, Path(work) / "selzero-resharded" / "selected_zero2")
+    Path(out).write_text(json.dumps({"reshard": time.perf_counter() - t0,
+                                     "reshard_rss": _peak_rss() - before}))
+
+
+def reshard_rounds(args: argparse.Namespace, spec: dict[str, Any]) -> str:
+    """N -> M for selzero (offline reshard + load) and DCP (load-time resharding), interleaved
+    by round in fresh processes."""
+    import torch.multiprocessing as mp
+
+    n, m = args.world, args.reshard_to
+    rounds = []
+    for r in range(args.rounds):
+        row: dict[str, dict[str, float]] = {}
+        for mode in ("selzero", "dcp"):
+            with tempfile.TemporaryDirectory() as work:
+                out = os.path.join(work, "result.json")
+                mp.start_processes(_reshard_worker, nprocs=n, start_method="spawn",
+                                   args=(n, "selzero" if mode == "selzero" else "dcp", "save",
+                                         spec, work, out))
+                if mode == "dcp":  # the truth the loads are checked against
+                    mp.start_processes(_reshard_worker, nprocs=n, start_method="spawn",
+                                       args=(n, "selzero", "save", spec, work, out))
+                row[mode] = {}
+                if mode == "selzero":
+                    mp.start_processes(_timed_reshard, nprocs=1, start_method="spawn",
+                                       args=(work, m, out))
+                    row[mode].update(json.loads(Path(out).read_text()))
+                mp.start_processes(_reshard_worker, nprocs=m, start_method="spawn",
+                                   args=(m, mode, "load", spec, work, out))
+                row[mode].update(json.loads(Path(out).read_text()))
+        rounds.append(row)
+        print(f"round {r + 1}/{args.rounds}: selzero reshard {row['selzero']['reshard']:.2f} s "
+              f"+ load {row['selzero']['load']:.2f} s, dcp load {row['dcp']['load']:.2f} s",
+              file=sys.stderr)
+    med = lambda mode, key: statistics.median(rd[mode][key] for rd in rounds)  # noqa: E731
+    ratio = statistics.median((rd["selzero"]["reshard"] + rd["selzero"]["load"])
+                              / rd["dcp"]["load"] for rd in rounds)
+    mib = 2 ** 20
+    return "\n".join([
+        f"### Change of world size {n} -> {m}, workload {args.workload}, median over "
+        f"{args.rounds} rounds", "",
+        "| mode | reshard s (offline, 1 process) | reshard peak RSS growth (MiB) | load at "
+        f"{m} s (slowest rank) | load peak RSS growth (MiB) | total s | total vs dcp |",
+        "|---|---|---|---|---|---|---|",
+        f"| selzero | {med('selzero', 'reshard'):.2f} | {med('selzero', 'reshard_rss') / mib:.1f}"
+        f" | {med('selzero', 'load'):.2f} | {med('selzero', 'load_rss') / mib:.1f} | "
+        f"{med('selzero', 'reshard') + med('selzero', 'load'):.2f} | {ratio:.2f} |",
+        f"| dcp | n/a (at load) | n/a | {med('dcp', 'load'):.2f} | "
+        f"{med('dcp', 'load_rss') / mib:.1f} | {med('dcp', 'load'):.2f} | 1.00 |", "",
+        "Every load checked against the saved full state (values, moments, steps).", ""])
+
+
 def main() -> int:
     import torch.multiprocessing as mp
 
@@ -208,6 +373,8 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--reshard-to", type=int, default=0,
+                        help="also measure the change of world size N -> M (0: skip)")
     args = parser.parse_args()
     modes = args.modes.split(",")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -246,6 +413,9 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.reshard_to:
+        text += "\n" + reshard_rounds(args, spec)
+        print(text)
     (Path(args.out) / f"checkpoint-{args.workload}.md").write_text(text)
     return 0
 

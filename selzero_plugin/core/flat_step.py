@@ -455,6 +455,25 @@ class FlatStep:
                     view.copy_(value.detach().view(view.shape))
             self._install(i, seg, state, views)
 
+    def place(self, i: int, read: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Slot i's loaded state written straight into the flat buffers: the views the slot
+        will hold (a load into an instance without state then needs no per-segment copy that
+        the next step's adoption would double), or None where the per-segment path keeps it."""
+        g = self.group_of_slot[i]
+        m = self.member_of_group[g]
+        keys = self.keys[m]
+        numel = self.numel_of_slot[i]
+        if not self.on[m] or keys is None or set(read) != set(keys) or any(
+                read[k].numel() != (numel if kind == "elementwise" else 1)
+                for k, kind in keys.items()):
+            return None
+        for key, kind in keys.items():
+            self._buffer(g, key, kind, read[key])
+        views = self._slot_state(g, i, keys, read)
+        for key, view in views.items():
+            view.copy_(read[key].reshape(view.shape))
+        return views
+
     def _install(self, i: int, seg: Any, state: Any, views: dict[str, torch.Tensor]) -> None:
         state[seg] = views
         self.public[i] = views

@@ -631,7 +631,10 @@ class SelectedZero2:
                 value, state = source(i)
                 seg.detach().copy_(value)
                 if state is not None:
-                    by_index[index[id(seg)]] = _into_held(optimizer.state.get(seg), state, device)
+                    by_index[index[id(seg)]] = _into_held(optimizer.state.get(seg), state,
+                                                          device) or \
+                        self.flat_step.place(i, state) or \
+                        {k: v.to(device=device, copy=True) for k, v in state.items()}
         # This run's hyperparameters stay (runtime settings); only the state is replaced.
         optimizer.load_state_dict({"state": by_index,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
@@ -767,17 +770,17 @@ def owning_instance(param: torch.Tensor) -> "SelectedZero2 | None":
 
 
 def _into_held(held: dict[str, Any] | None, read: dict[str, torch.Tensor],
-               device: torch.device) -> dict[str, torch.Tensor]:
-    """One segment's loaded state: copied into the tensors the optimizer holds for it when
-    they have the same keys and shapes (no new memory; the flat step's views stay), else the
-    read tensors in new memory (never views of the file's mapping)."""
-    if held and set(held) == set(read) and all(
+               device: torch.device) -> dict[str, torch.Tensor] | None:
+    """One segment's loaded state copied into the tensors the optimizer holds for it, when
+    they have the same keys and shapes (no new memory; the flat step's views stay); None
+    otherwise."""
+    if not held or set(held) != set(read) or not all(
             isinstance(held[k], torch.Tensor) and held[k].shape == v.shape
             for k, v in read.items()):
-        for k, v in read.items():
-            held[k].copy_(v)
-        return dict(held)
-    return {k: v.to(device=device, copy=True) for k, v in read.items()}
+        return None
+    for k, v in read.items():
+        held[k].copy_(v)
+    return dict(held)
 
 
 def _take_stale_grads(trainable: list[SelectedEntry]) -> None:
