@@ -174,9 +174,8 @@ def load_memory_run(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_a_load_writes_in_place_without_a_copy_of_the_share(tmp_path):
     """[Note: streaming load]: loading into an instance that already holds state grows the
     resident set by far less than the rank's share (values + moments, 75 MB here); it read
-    the whole share into fresh memory first before. Resident memory, not allocator events:
-    safetensors maps the file as one storage the allocator reports whole, while only the
-    pages read become resident (``LazyShard`` re-maps every 8 MiB)."""
+    the whole share into fresh memory first before. Resident memory (VmHWM), the measure of
+    what a node's RAM must hold."""
     for run in all_values(run_ranks(load_memory_run, 2, str(tmp_path), timeout=120)):
         assert run["changed"] == [], run["changed"][:5]
         assert run["growth"] < run["share"] / 4, run

@@ -9,9 +9,10 @@ rank, or ranks pointed at different complete checkpoints (node-local copies, a s
 view, one rank falling back to ``.previous``), make every rank raise with its state untouched.
 Only then does each rank read its tensors one slot at a time straight into place: a value into
 its segment, optimizer state into the tensors the optimizer already holds (new ones only for
-segments that had none), so a load needs no memory beyond one slot's tensors and the mapped
-pages ``LazyShard`` bounds (it used to read the rank's whole share into fresh memory first:
-+105 MiB on workload a, where ``torch.distributed.checkpoint`` loads in place). A second
+segments that had none), so a load needs no memory beyond one slot's tensors (``LazyShard``
+reads each with one positional read). It used to read the rank's whole share into fresh
+memory first: +105 MiB on workload a, where ``torch.distributed.checkpoint`` loads in place. A
+second
 exchange agrees that every rank wrote its part; then the full parameters are all-gathered.
 What this gives up: a read that fails *after* its file passed the checksum (the disk fails or
 the file is replaced between the two reads) leaves a mixture. Every rank then raises, and the

@@ -9,10 +9,12 @@ known up front, the header can be written first and the tensors appended in head
 freed after it is written: that is ``StreamingWriter``. It also hashes the bytes as they go, so
 a shard's sha256 costs no second read.
 
-Reading goes through ``safetensors.safe_open``, which maps the file: every page touched stays in
-the process's resident set while the file is open. ``LazyShard`` therefore re-opens its file
-once ``reopen_bytes`` have been read through one handle, so mapped pages never accumulate past a
-constant.
+Reading one tensor (``LazyShard``) is a positional read of its byte range into a new tensor:
+no mapping. ``safetensors.safe_open`` maps the file, and every page touched stays in the
+process's resident set while it is open; on this machine (a Firecracker VM) reading through the
+mapping also ran at ~100 MB/s, a read() at memory speed (100 MB of shard: 0.66 s of CPU through
+the mapping, about 0.02 s read). ``read_header`` still uses ``safe_open``, whose parser checks
+the header (offsets, sizes) before any tensor is read; ``LazyShard`` checks each range it reads.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+_DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _HASH_BLOCK = 4 << 20
 
 
@@ -154,33 +157,58 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, tuple[str, tupl
 
 
 class LazyShard:
-    """Tensors of one safetensors file, read on demand; re-opened every ``reopen_bytes``."""
+    """Tensors of one safetensors file, read on demand, one positional read each."""
 
-    def __init__(self, path: str | os.PathLike[str], *, reopen_bytes: int = 8 << 20) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
-        self._reopen_bytes = reopen_bytes
-        self._handle: Any = None
-        self._read_since_open = 0
+        self._file: Any = None
+        self._header: dict[str, Any] = {}
+        self._data_start = 0
+
+    def _open(self) -> Any:
+        if self._file is None:
+            f = open(self.path, "rb")
+            try:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise SafetensorError(f"{self.path}: shorter than a safetensors header")
+                (length,) = struct.unpack("<Q", raw)
+                header = json.loads(f.read(length))
+                if not isinstance(header, dict):
+                    raise SafetensorError(f"{self.path}: the header is not a JSON object")
+            except BaseException:
+                f.close()
+                raise
+            self._file, self._header, self._data_start = f, header, 8 + length
+        return self._file
 
     def read(self, name: str) -> torch.Tensor:
-        if self._handle is None or self._read_since_open >= self._reopen_bytes:
-            self.close()
-            self._handle = safe_open(self.path, framework="pt").__enter__()
-            self._read_since_open = 0
-        tensor = self._handle.get_tensor(name)
-        self._read_since_open += tensor.numel() * tensor.element_size()
-        return tensor
-
-    @property
-    def read_since_open(self) -> int:
-        """Bytes read through the current handle (its mapped pages are still resident)."""
-        return self._read_since_open
+        f = self._open()
+        info = self._header.get(name)
+        if not isinstance(info, dict) or name == "__metadata__":
+            raise SafetensorError(f"{self.path}: no tensor {name!r}")
+        dtype = _DTYPE_OF_CODE.get(info.get("dtype"))
+        shape = tuple(info.get("shape", ()))
+        begin, end = info.get("data_offsets", (0, -1))
+        if dtype is None:
+            raise SafetensorError(f"{self.path}: {name!r} has dtype {info.get('dtype')!r}")
+        out = torch.empty(shape, dtype=dtype)
+        nbytes = out.numel() * out.element_size()
+        if end - begin != nbytes:
+            raise SafetensorError(f"{self.path}: {name!r} spans {end - begin} bytes, its dtype "
+                                  f"and shape need {nbytes}")
+        if nbytes:
+            f.seek(self._data_start + begin)
+            got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+            if got != nbytes:
+                raise SafetensorError(f"{self.path}: {name!r} is cut short ({got} of {nbytes} "
+                                      "bytes); the file is truncated")
+        return out
 
     def close(self) -> None:
-        self._read_since_open = 0
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-            self._handle = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self) -> "LazyShard":
         return self

@@ -5,8 +5,8 @@ Reshard and consolidate never hold more than one tensor of one parameter in full
 chunk being copied and constant overhead): ``iter_full_state`` assembles a virtual parameter's
 value, then each of its state tensors, one at a time from the input shards, and the writers
 (``StreamingWriter``, whose headers are planned from the manifest before any data) append each
-slice as it comes. Input files are read through ``LazyShard``, so mapped pages do not accumulate
-either. Only the ``--torch-state-dict`` export holds the whole subset's state: a pickled
+slice as it comes. Input files are read through ``LazyShard``, one positional read per tensor
+(no mapping whose touched pages would accumulate). Only the ``--torch-state-dict`` export holds the whole subset's state: a pickled
 ``torch.optim`` state dict has no other form.
 
 The consolidated file is one safetensors file keyed like the shards (``{key}/value``,
@@ -55,7 +55,6 @@ __all__ = ["open_checkpoint", "verify", "FullStateReader", "iter_full_state", "w
            "run_reshard", "run_consolidate"]
 
 
-_MAPPED_BUDGET = 8 << 20  # bytes read through open shard handles before they are all re-opened
 
 
 def _progress(iterable: Iterable[Any], *, total: int, desc: str, unit: str) -> Iterable[Any]:
@@ -125,8 +124,6 @@ class FullStateReader:
                 part = readers[v.owner].read(tensor_key(v.key, what))
                 yield what, part.reshape(tensor_shape(v, spec_of(manifest, v, what)))
                 del part
-            if readers[v.owner].read_since_open >= _MAPPED_BUDGET:
-                readers[v.owner].close()
             return
         owners = [r for r in range(n) if chunk_range(v.numel, n, r)[1] > 0]
         for what in whats(manifest, v):
@@ -142,14 +139,9 @@ class FullStateReader:
                     full = torch.empty(v.numel, dtype=part.dtype)
                 full[start:start + length].copy_(part)
                 del part
-                if readers[r].read_since_open >= _MAPPED_BUDGET // n:
-                    readers[r].close()  # a large chunk: unmap it before reading the next
             assert full is not None
             yield what, full.view(v.shape)
             del full
-            if sum(r.read_since_open for r in readers) >= _MAPPED_BUDGET:
-                for reader in readers:  # unmap: touched pages of every shard add up otherwise
-                    reader.close()
 
     def close(self) -> None:
         for reader in self.readers:
