@@ -27,7 +27,7 @@ leave in the buckets and gather rows are whatever was there (the figures are hos
 results).
 
     benchmarks/scale.py [--worlds 8,64,256] [--layers 48] [--width 32] [--steps 5]
-        [--partition chunks|tensors]
+        [--partition chunks|tensors|chunks,tensors]
         [--out benchmarks/results/scale.json] [--md benchmarks/results/scale.md]
         [--png benchmarks/results/scale.png]
 """
@@ -181,6 +181,67 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _growth(rows: list[dict[str, Any]]) -> str:
+    """How each figure grows from the smallest N to the largest, beside 1/N (the per-rank work)
+    and N (bookkeeping per rank): a figure bounded by a*(1/N) + b*N grows by at most
+    max(1/N ratio, N ratio)."""
+    by_partition: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_partition.setdefault(r["partition"], []).append(r)
+    out = ["| partition | N from -> to | 1/N ratio | N ratio | bytes/rank | build s | "
+           "copy-in ms | step() ms | segments/rank | agreement | manifest | shard |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for partition, rs in by_partition.items():
+        rs = sorted(rs, key=lambda r: r["world"])
+        a, b = rs[0], rs[-1]
+        ratio = lambda k: f"{b[k] / a[k]:.3f}x" if a[k] else "n/a"  # noqa: E731
+        out.append(
+            f"| {partition} | {a['world']} -> {b['world']} | {a['world'] / b['world']:.4f}x | "
+            f"{b['world'] / a['world']:.0f}x | {ratio('report_total')} | {ratio('build_s')} | "
+            f"{ratio('copy_in_ms')} | {ratio('step_ms')} | {ratio('segments')} | "
+            f"{ratio('agreement_elements')} | {ratio('manifest_bytes')} | "
+            f"{ratio('shard_bytes')} |")
+    return "\n".join(out)
+
+
+def plot(path: str, rows: list[dict[str, Any]]) -> None:
+    """Log-log panels against N: per-rank bytes (with the ideal 1/N), host times, sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for partition in sorted({r["partition"] for r in rows}):
+        rs = sorted((r for r in rows if r["partition"] == partition), key=lambda r: r["world"])
+        n = [r["world"] for r in rs]
+        mark = "o-" if partition == "chunks" else "s--"
+        axes[0].plot(n, [r["report_total"] / 2 ** 20 for r in rs], mark,
+                     label=f"{partition}: memory_report")
+        axes[0].plot(n, [r["ideal_total"] / 2 ** 20 for r in rs], ":",
+                     label=f"{partition}: ideal (subset / N)")
+        for key, label in (("build_s", "build s"), ("copy_in_ms", "copy-in ms / 1000"),
+                           ("step_ms", "step() ms / 1000")):
+            scale = 1000.0 if key.endswith("ms") else 1.0
+            axes[1].plot(n, [r[key] / scale if r[key] > 0 else float("nan") for r in rs],
+                         mark, label=f"{partition}: {label}")  # (a difference: noise <= 0)
+        for key, label in (("manifest_bytes", "manifest bytes"), ("shard_bytes", "shard bytes"),
+                           ("agreement_elements", "agreement int64"),
+                           ("segments", "segments / rank")):
+            axes[2].plot(n, [r[key] for r in rs], mark, label=f"{partition}: {label}")
+    titles = ("per-rank bytes (MiB)", "host time (s)", "sizes")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("group size N (fake process group)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.suptitle("selzero at scale, simulated: Qwen3-30B-A3B-shaped MoE stack, experts selected")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="8,64,256")
@@ -188,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--partition", default="chunks", choices=["chunks", "tensors"])
+    parser.add_argument("--partition", default="chunks",
+                        help="chunks, tensors, or both (comma-separated)")
     parser.add_argument("--out")
     parser.add_argument("--md")
     parser.add_argument("--png")
@@ -199,17 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     mirror_peers()
     rows = []
-    for world in [int(w) for w in args.worlds.split(",")]:
-        rows.append(one_world(world, min(args.rank, world - 1), args.layers, args.width,
-                              args.steps, args.partition))
-        print(json.dumps(rows[-1]), flush=True)
+    for partition in args.partition.split(","):
+        if partition not in ("chunks", "tensors"):
+            parser.error(f"--partition {partition!r}: expected chunks or tensors")
+        for world in [int(w) for w in args.worlds.split(",")]:
+            rows.append(one_world(world, min(args.rank, world - 1), args.layers, args.width,
+                                  args.steps, partition))
+            print(json.dumps(rows[-1]), flush=True)
     command = "benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.out:
         Path(args.out).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    table = _table(rows)
+    table = _table(rows) + "\n\nGrowth from the smallest to the largest N:\n\n" + _growth(rows)
     print(table)
     if args.md:
         Path(args.md).write_text(table + f"\n\nCommand: `{command}`\n")
+    if args.png:
+        plot(args.png, rows)
     return 0
 
 
