@@ -47,7 +47,10 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
     import torch
 
     from selzero_plugin import SelectedZero2
-    from selzero_plugin.core import flat_step
+    try:
+        from selzero_plugin.core import flat_step
+    except ImportError:  # a version before the flat step (a before/after run): both arms alike
+        flat_step = None
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -77,6 +80,9 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
         grads = [torch.randn(p.shape, generator=g).to(device) for p in params]
         synthetic = Synthetic(model, params, grads)
         if kind in ("selzero", "selzero_segments"):
+            if flat_step is None:
+                return SelectedZero2(model, {**config, "name": kind}, torch.optim.AdamW,
+                                     kwargs), params, synthetic
             flat_step.ENABLED = kind == "selzero"
             try:
                 sz = SelectedZero2(model, {**config, "name": kind}, torch.optim.AdamW, kwargs)
@@ -150,7 +156,7 @@ def run(workload: str, rounds: int, steps: int, fused: bool, device_name: str,
             "selzero_copy_in_ms": ms([a - b for a, b in zip(times["selzero"]["backward"],
                                                             times["plain"]["backward"])]),
             "selzero_step_ms": ms(times["selzero"]["step"]),
-            "selzero_runs": sz.flat_step.runs_last_step,
+            "selzero_runs": sz.flat_step.runs_last_step if flat_step is not None else -1,
             "selzero_segments_path_ms": ms(path["selzero_segments"]),
             "selzero_segments_step_ms": ms(times["selzero_segments"]["step"]),
             "us_per_tensor": {"plain": us(path["plain"]), "ddp": us(path["ddp"]),
@@ -186,7 +192,8 @@ def _profile(sz: Any, one: Any, rounds: int, backward_base: float) -> dict[str, 
     wrapping the instance's methods with wall clocks (a few hundred ns per call; the timed
     rounds above run unwrapped). ``backward: autograd`` is the backward beyond plain torch's
     that no hook accounts for (hook dispatch, unit hooks)."""
-    owners = {"window": sz.window, "collectives": sz.collectives, "flat_step": sz.flat_step,
+    owners = {"window": sz.window, "collectives": sz.collectives,
+              "flat_step": getattr(sz, "flat_step", None) or sz.segment_optimizer.optimizer,
               "storage": sz.storage, "bindings": sz.window.bindings}
     spent = {phase: 0.0 for phase, _, _ in PHASES}
 
