@@ -41,7 +41,7 @@ $(BENCH_STAMP): $(STAMP)
 # side-by-side benchmarks (benchmarks/bench.py); tables and plots in benchmarks/results/
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
-	for w in a c d; do $(PY) benchmarks/step_path.py --workload $$w \
+	for w in a c d e f; do $(PY) benchmarks/step_path.py --workload $$w \
 		--out benchmarks/results/step-path-$$w.json; done
 
 # on purpose, after a green `make test` with newer packages (pip install -U ... into .venv)
