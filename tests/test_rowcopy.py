@@ -58,3 +58,45 @@ def test_copy_out_skipping_a_row_leaves_exactly_that_rows_elements(n, experts, p
         in_row = torch.tensor([(i % per) // chunk == skip for i in range(experts * per)])
         assert torch.equal(back[~in_row], flat[~in_row])
         assert bool((back[in_row] == -1.0).all())
+
+
+def test_coalesce_copies_merges_a_fused_tensors_chunks_into_one_strided_copy():
+    """rank 1 of 2 holds the second half of each of 5 experts of 6 elements: 5 pieces 6 apart
+    in the parameter, side by side in the scratch; a bias between them is another storage."""
+    from selzero_plugin.core.rowcopy import coalesce_copies
+
+    param = torch.arange(30.0)
+    bias = torch.arange(100.0, 103.0)
+    scratch = torch.zeros(18)
+    srcs = [param[e * 6 + 3:e * 6 + 6] for e in range(5)] + [bias]
+    dsts = list(torch.split(scratch, [3] * 5 + [3]))
+    merged_d, merged_s = coalesce_copies(dsts, srcs)
+    assert [tuple(d.shape) for d in merged_d] == [(5, 3), (3,)]
+    torch._foreach_copy_(merged_d, merged_s)
+    expected = torch.cat([param.view(5, 6)[:, 3:].reshape(-1), bias])
+    assert torch.equal(scratch, expected)
+    scratch.mul_(-1)  # and back the other way (the copy-out)
+    torch._foreach_copy_(merged_s, merged_d)
+    assert torch.equal(param.view(5, 6)[:, 3:].reshape(-1), -expected[:15])
+
+
+@pytest.mark.parametrize("case", ["gap", "lengths", "storages", "order"])
+def test_coalesce_copies_keeps_pieces_apart_that_do_not_line_up(case):
+    from selzero_plugin.core.rowcopy import coalesce_copies
+
+    a, b = torch.arange(12.0), torch.arange(12.0) + 50
+    scratch = torch.zeros(8)
+    srcs, dsts = [a[0:2], a[4:6]], [scratch[0:2], scratch[2:4]]
+    if case == "gap":  # the destinations do not follow one another
+        dsts = [scratch[0:2], scratch[3:5]]
+    elif case == "lengths":
+        srcs, dsts = [a[0:2], a[4:7]], [scratch[0:2], scratch[2:5]]
+    elif case == "storages":
+        srcs = [a[0:2], b[4:6]]
+    else:  # a third piece breaks the stride
+        srcs, dsts = [a[0:2], a[4:6], a[7:9]], [scratch[0:2], scratch[2:4], scratch[4:6]]
+    merged_d, merged_s = coalesce_copies(dsts, srcs)
+    torch._foreach_copy_(merged_d, merged_s)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s), case
+    assert len(merged_d) == (2 if case == "order" else len(dsts)), case

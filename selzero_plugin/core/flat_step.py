@@ -54,6 +54,7 @@ from typing import Any, Sequence
 
 import torch
 from .optim import SegmentOptimizer, probe_state_shapes
+from .rowcopy import coalesce_copies
 from .storage import ShardStorage
 
 __all__ = ["FlatStep"]
@@ -373,14 +374,15 @@ class FlatStep:
         total = sum(sizes)
         scratch = self.pool.take(total, _FP32) if self.pool is not None else \
             torch.empty(total, dtype=_FP32, device=storage.grad_shard.device)
-        key = (scratch.data_ptr(), tuple(runs[j] for j in packed))
+        key = (scratch.data_ptr(), storage.generation, tuple(runs[j] for j in packed))
         cache = self._scratch_cache
         if cache is not None and cache[0] == key:
             run_views, self._copied = cache[1], cache[2]
         else:
             slot_views = torch.split(scratch[:total], sizes)
-            self._copied = list(zip(slot_views, (segments[i] for j in packed
-                                                 for i in range(*runs[j]))))
+            self._copied = list(zip(*coalesce_copies(
+                list(slot_views), [segments[i].detach() for j in packed
+                                   for i in range(*runs[j])])))
             run_views = _pieces(scratch, _runs_in(sizes, [runs[j][1] - runs[j][0]
                                                           for j in packed]))
             self._scratch_cache = (key, run_views, self._copied) \

@@ -23,7 +23,7 @@ import torch
 from .layout import Layout, Piece
 
 __all__ = ["copy_in", "copy_out", "row_views", "flat_views", "add_or_copy", "piece_buffer_views",
-           "piece_flat_views", "entry_buffer_views", "entry_flat_views"]
+           "piece_flat_views", "entry_buffer_views", "entry_flat_views", "coalesce_copies"]
 
 
 def _row_ranges(per: int, chunk: int, skip: int | None) -> tuple[list[tuple[int, int]], int]:
@@ -131,3 +131,40 @@ def entry_flat_views(layout: Layout, flat: torch.Tensor, t: int, *,
     first = layout.virtuals[ids[0]]
     return flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel,
                       skip=skip)
+
+
+def coalesce_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Pairwise copies ``dst_i <- src_i`` of 1-D pieces, with runs of them merged into one 2-D
+    strided copy each: consecutive pieces of equal length whose destinations follow one
+    another in one storage and whose sources lie at one stride in one storage (a fused expert
+    tensor's chunks on this rank: one per expert, ``per`` elements apart, that pack side by
+    side in a scratch or a bucket row). A foreach copy then takes one tensor per fused tensor
+    instead of one per expert. Either list may be the destination of the copies made."""
+    out_d: list[torch.Tensor] = []
+    out_s: list[torch.Tensor] = []
+    i, n = 0, len(dsts)
+    while i < n:
+        d0, s0 = dsts[i], srcs[i]
+        k = d0.numel()
+        j = i + 1
+        if d0.dim() == 1 and s0.dim() == 1 and k and j < n:
+            stride = srcs[j].storage_offset() - s0.storage_offset()
+            while j < n and _follows(dsts[j], d0, (j - i) * k, k) and \
+                    _follows(srcs[j], s0, (j - i) * stride, k):
+                j += 1
+        if j - i > 1:
+            out_d.append(d0.as_strided((j - i, k), (k, 1), d0.storage_offset()))
+            out_s.append(s0.as_strided((j - i, k), (stride, 1), s0.storage_offset()))
+        else:
+            out_d.append(d0)
+            out_s.append(s0)
+        i = j
+    return out_d, out_s
+
+
+def _follows(t: torch.Tensor, first: torch.Tensor, offset: int, k: int) -> bool:
+    """``t`` is ``first``'s 1-D shape, dtype and storage, ``offset`` elements further."""
+    return t.dim() == 1 and t.numel() == k and t.stride() == (1,) and t.dtype == first.dtype \
+        and t.storage_offset() == first.storage_offset() + offset \
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()

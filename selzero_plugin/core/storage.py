@@ -24,8 +24,9 @@ Python) took as long as the copies. The CPU buffer pool reuses the same blocks e
 ([Note: buffer pool]), so the views into those blocks are built once and kept, per bucket and
 block; views into parameters are kept with the data pointers of the parameters and segments
 they were built from and rebuilt when any of them changed. Buffers that are not reused (a GPU's,
-a third block) get fresh views each time. The copies themselves then run as one
-``torch._foreach_copy_`` per bucket.
+a third block) get fresh views each time; views of the segments are dropped when ``rebind``
+moves one. The copies themselves then run as one ``torch._foreach_copy_`` per bucket, a fused
+tensor's chunks merged into one strided copy (``rowcopy.coalesce_copies``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import nn
 
 from .layout import Layout, ShardSlot
 from .report import MemoryReport
-from .rowcopy import entry_buffer_views, entry_flat_views
+from .rowcopy import coalesce_copies, entry_buffer_views, entry_flat_views
 from .selection import SelectedEntry
 
 __all__ = ["ShardStorage", "holds_nonfinite"]
@@ -87,6 +88,7 @@ class ShardStorage:
             self._slots_of_entry.setdefault(layout.virtuals[s.virtual].entry, []).append(i)
         self.grad_views = [self.grad_view(i) for i in range(len(self.slots))]
         self._views: dict[tuple[Any, ...], Any] = {}  # [Note: cached views]
+        self.generation = 0  # counts rebinds that moved a segment (views of it are stale)
         self.written: set[int] = set()  # buckets accumulated since the window began
         self.stale = True
 
@@ -134,12 +136,15 @@ class ShardStorage:
                     values[self.entry_of(s).name].reshape(-1)[start:start + s.numel])
 
     def rebind(self) -> None:
-        """Point fp32 segments at the parameters' storage again (the host may have replaced it)."""
+        """Point fp32 segments at the parameters' storage again (the host may have replaced it).
+        Views kept of the old storage are dropped (``generation`` tells the flat step's)."""
         for i, seg in enumerate(self.segments):
             if self.master_offset[i] is None:
                 view = self.param_chunk(i)
                 if view.data_ptr() != seg.data.data_ptr():
                     seg.data = view
+                    self._views.clear()
+                    self.generation += 1
 
     # ---- reduced rows in, updated rows out -------------------------------------------------
 
@@ -166,13 +171,16 @@ class ShardStorage:
             return
         key = ("pack", bucket, row.data_ptr(), row.dtype)
         dsts = self._views.get(key)
-        if dsts is None:  # in the segments' shapes (whole-tensor ownership: the tensor's)
-            dsts = [row[self.slots[i].row_offset:self.slots[i].row_offset + self.slots[i].numel]
-                    .view(self.shapes[i]) for i in ids]
+        if dsts is None:  # in the segments' shapes (whole-tensor ownership: the tensor's);
+            # a fused tensor's chunks as one strided copy (rowcopy.coalesce_copies)
+            dsts = coalesce_copies(
+                [row[self.slots[i].row_offset:self.slots[i].row_offset + self.slots[i].numel]
+                 .view(self.shapes[i]) for i in ids],
+                [s.detach() for s in self._bucket_segments[bucket]])
             if persistent:
                 self._views[key] = dsts
         with torch.no_grad():
-            torch._foreach_copy_(dsts, self._bucket_segments[bucket])
+            torch._foreach_copy_(dsts[0], dsts[1])
 
     def unpack_rows(self, bucket: int, rows: torch.Tensor, *, persistent: bool = False) -> None:
         """Rebuild the full parameters of ``bucket`` from its gathered buffer (1-D, the rows
