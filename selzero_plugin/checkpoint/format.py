@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,14 +64,15 @@ from ..core.ownership import optimizer_cost, plan_tensor_owners
 from ..core.view import ShardView
 from ..errors import CheckpointError, OptimizerNotSupportedError
 from .atomic import MANIFEST_NAME, fsync_file, is_staging, leftover_stagings, previous_folder
-from .safetensors_io import (DTYPE_CODES, TensorPlan, dtype_from_name, dtype_name, read_header,
-                             sha256_file)
+from .safetensors_io import (DTYPE_CODES, LazyShard, TensorPlan, dtype_from_name, dtype_name,
+                             read_header, sha256_file)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "VALUE", "ELEMENTWISE", "SCALAR", "TENSOR", "CHUNKING",
            "OWNERSHIP", "piece_range", "state_specs", "tensor_shape", "replan",
            "shard_file_name", "virtual_key", "tensor_key", "chunk_range", "StateSpec",
            "VirtualRecord", "Manifest", "read_manifest", "write_manifest", "resolve_folder",
-           "shard_plan", "consolidated_plan", "whats", "check_shard", "RunSchema", "describe_run",
+           "shard_plan", "consolidated_plan", "whats", "check_shard", "open_shard", "RunSchema",
+           "describe_run",
            "entry_record", "probe_state", "check_against_run"]
 
 FORMAT = "selzero-checkpoint"
@@ -380,6 +382,41 @@ def consolidated_plan(manifest: Manifest) -> list[tuple[TensorPlan, VirtualRecor
 
 def check_shard(folder: Path, manifest: Manifest, rank: int, *, checksum: bool = True) -> Path:
     """Present, full size, matching sha256, and holding exactly the planned tensors."""
+    path = _shard_path(folder, manifest, rank)
+    _check_size(path, path.stat().st_size, manifest.shard_record(rank))
+    if checksum:
+        _check_sha256(path, sha256_file(path), manifest.shard_record(rank))
+    try:
+        header, _ = read_header(path)
+    except Exception as e:  # noqa: BLE001 - any decode failure means a damaged file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}).") from None
+    _check_header(path, header, manifest, rank)
+    return path
+
+
+def open_shard(folder: Path, manifest: Manifest, rank: int) -> LazyShard:
+    """``check_shard`` through one open descriptor, returned as the reader of the load that
+    follows: what is read later is the file that was checked, even if another is renamed
+    over its path meanwhile ([Note: streaming load] in load.py). The caller closes it."""
+    path = _shard_path(folder, manifest, rank)
+    record = manifest.shard_record(rank)
+    f = open(path, "rb")
+    try:
+        _check_size(path, os.fstat(f.fileno()).st_size, record)
+        _check_sha256(path, sha256_file(f), record)
+        reader = LazyShard(path, file=f)
+        try:
+            header = reader.header()
+        except Exception as e:  # noqa: BLE001 - any decode failure means a damaged file
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e}).") from None
+        _check_header(path, header, manifest, rank)
+    except BaseException:
+        f.close()
+        raise
+    return reader
+
+
+def _shard_path(folder: Path, manifest: Manifest, rank: int) -> Path:
     name = shard_file_name(rank, manifest.group_size)
     record = manifest.shard_record(rank)
     if record is None or record.get("file") != name:
@@ -389,17 +426,22 @@ def check_shard(folder: Path, manifest: Manifest, rank: int, *, checksum: bool =
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete (group rank {rank}'s "
                               "shard). Copy the checkpoint folder whole, or save again.")
-    size = path.stat().st_size
+    return path
+
+
+def _check_size(path: Path, size: int, record: dict[str, Any]) -> None:
     if size != record["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes, the manifest records {record['bytes']}; the "
                               "file is truncated or was replaced. Restore it from the save.")
-    if checksum and sha256_file(path) != record["sha256"]:
+
+
+def _check_sha256(path: Path, digest: str, record: dict[str, Any]) -> None:
+    if digest != record["sha256"]:
         raise CheckpointError(f"{path}: sha256 differs from the manifest's ({record['sha256'][:16]}"
                               "...); the file is corrupt. Restore it from the save.")
-    try:
-        header, _ = read_header(path)
-    except Exception as e:  # noqa: BLE001 - any decode failure means a damaged file
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e}).") from None
+
+
+def _check_header(path: Path, header: dict[str, Any], manifest: Manifest, rank: int) -> None:
     expected = {p.name: (DTYPE_CODES[p.dtype], p.shape) for p, _, _ in shard_plan(manifest, rank)}
     if header != expected:
         missing = sorted(set(expected) - set(header))
@@ -408,7 +450,6 @@ def check_shard(folder: Path, manifest: Manifest, rank: int, *, checksum: bool =
         raise CheckpointError(f"{path}: does not hold the tensors its manifest describes (missing "
                               f"{missing[:3]}, unexpected {extra[:3]}, wrong dtype/shape "
                               f"{wrong[:3]}); the folder mixes files of different saves.")
-    return path
 
 
 # ---- this run, described like a manifest -----------------------------------------------------

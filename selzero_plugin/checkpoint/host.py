@@ -42,7 +42,7 @@ from ..core.contract import agree_on_local_errors
 from ..core.zero2 import SelectedZero2
 from ..errors import CheckpointError, SelZeroError, UsageError
 from .atomic import fsync_dir, leftover_stagings, previous_folder
-from .load import finish_loads, install_read, read_checkpoint
+from .load import close_reads, finish_loads, install_read, read_checkpoint
 from .save import discard_staged, local_phase, place_staged, stage_checkpoint
 
 __all__ = ["FOLDER", "INDEX", "save_into", "load_from", "has_folder", "read_index",
@@ -378,6 +378,20 @@ def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
         error = e
     except Exception as e:  # noqa: BLE001 - I/O and decode failures of any kind
         error = CheckpointError(f"{type(e).__name__}: {e}")
+    try:
+        _agree_on_reads(world, instances, reads, error, index_bytes, what)
+    except BaseException:
+        close_reads(reads)
+        raise
+    views = [sz.checkpoint_view() for sz in instances]
+    error = None
+    for view, read in zip(views, reads):  # [Note: streaming load]: every instance, then agree
+        error = install_read(view, read, what=what) or error
+    finish_loads(world, views, error, what=what)
+
+
+def _agree_on_reads(world: Communicator, instances: Sequence[SelectedZero2], reads: list[Any],
+                    error: SelZeroError | None, index_bytes: bytes, what: str) -> None:
     agree_on_local_errors(world, error, what=what, token=index_bytes,
                           token_error=CheckpointError,
                           token_what="checkpoint (its selected_zero2/index.json differs)")
@@ -391,8 +405,3 @@ def load_from(host_dir: str | os.PathLike[str], instances: Sequence[SelectedZero
                     "read different manifest.json files (ranks pointed at different "
                     "checkpoints, or node-local copies that differ); every rank must load the "
                     "same checkpoint. Nothing was loaded.")
-    views = [sz.checkpoint_view() for sz in instances]
-    error = None
-    for view, read in zip(views, reads):  # [Note: streaming load]: every instance, then agree
-        error = install_read(view, read, what=what) or error
-    finish_loads(world, views, error, what=what)

@@ -14,8 +14,10 @@ reads each with one positional read). It used to read the rank's whole share int
 memory first: +105 MiB on workload a, where ``torch.distributed.checkpoint`` loads in place. A
 second
 exchange agrees that every rank wrote its part; then the full parameters are all-gathered.
-What this gives up: a read that fails *after* its file passed the checksum (the disk fails or
-the file is replaced between the two reads) leaves a mixture. Every rank then raises, and the
+Each shard is read through the descriptor its checksum was computed on, so a checkpoint
+saved over the same folder meanwhile (renamed into place) is never read: the load gets the
+files it checked, on every rank. What this gives up: a read that fails *after* its file passed
+the checksum (the disk fails, or the file is rewritten in place) leaves a mixture. Every rank then raises, and the
 instance refuses ``step()``, ``reduce_gradients()`` and ``save_checkpoint()`` on every rank
 until a load succeeds.
 """
@@ -36,27 +38,40 @@ from ..core.view import ShardView
 from ..errors import CheckpointError, SelZeroError, UsageError
 from .atomic import MANIFEST_NAME, previous_folder
 from .format import (ELEMENTWISE, VALUE, Manifest, RunSchema, VirtualRecord, check_against_run,
-                     check_shard, describe_run, read_manifest, resolve_folder, state_specs,
+                     describe_run, open_shard, read_manifest, resolve_folder, state_specs,
                      tensor_key, tensor_shape)
 from .safetensors_io import LazyShard
 from .save import local_phase, manifest_save_id
 
-__all__ = ["load_checkpoint", "read_checkpoint", "install_read", "finish_loads"]
+__all__ = ["load_checkpoint", "read_checkpoint", "install_read", "finish_loads",
+           "close_reads"]
 
 
 @dataclass
 class _Read:
-    """A checked checkpoint, ready to be streamed in: where each slot's tensors are."""
+    """A checked checkpoint, ready to be streamed in: where each slot's tensors are, through
+    the descriptors the checks read (``close()`` them)."""
 
     notes: list[str]
     manifest_sha256: bytes
     slots: list["_SlotSource"]  # in slot order
     scheduled: list[dict[str, Any] | None]  # by this run's group: its saved hyperparameters
+    readers: list[LazyShard]
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+
+def close_reads(reads: list[_Read | None]) -> None:
+    for read in reads:
+        if read is not None:
+            read.close()
 
 
 @dataclass(frozen=True)
 class _SlotSource:
-    shard: Path
+    shard: LazyShard  # open on the file the checks read
     value: str  # tensor name of the value
     shape: tuple[int, ...]  # this run's segment shape
     state: tuple[tuple[str, str, tuple[int, ...]], ...] | None  # (state key, tensor name, shape)
@@ -68,10 +83,14 @@ def load_checkpoint(view: ShardView, folder: str | Path) -> None:
     folder = Path(folder)
     what = f"load_checkpoint({folder})"
     read, error = local_phase(read_checkpoint, view, folder)
-    agree_on_local_errors(view.comm, error, what=what,
-                          token=b"" if read is None else read.manifest_sha256,
-                          token_error=CheckpointError,
-                          token_what="checkpoint (the sha256 of its manifest.json differs)")
+    try:
+        agree_on_local_errors(view.comm, error, what=what,
+                              token=b"" if read is None else read.manifest_sha256,
+                              token_error=CheckpointError,
+                              token_what="checkpoint (the sha256 of its manifest.json differs)")
+    except SelZeroError:
+        close_reads([read])
+        raise
     assert read is not None
     finish_loads(view.comm, [view], install_read(view, read, what=what), what=what)
 
@@ -91,14 +110,10 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> CheckpointError 
     error to agree on (``finish_loads``), None when this rank wrote its whole part."""
     for note in read.notes:
         warnings.warn(f"[rank {view.comm.rank}/{view.comm.size}] {what}: {note}", stacklevel=3)
-    readers: dict[Path, LazyShard] = {}
-    device = view.comm.device
 
     def source(i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         slot = read.slots[i]
-        reader = readers.get(slot.shard)
-        if reader is None:
-            reader = readers[slot.shard] = LazyShard(slot.shard)
+        reader = slot.shard
         value = reader.read(slot.value)
         if tuple(value.shape) != slot.shape and value.numel() == _numel(slot.shape):
             value = value.reshape(slot.shape)
@@ -107,8 +122,7 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> CheckpointError 
                                   f"this run's segment is {list(slot.shape)}")
         if slot.state is None:
             return value, None
-        return value, {key: reader.read(name).to(device).reshape(shape)
-                       for key, name, shape in slot.state}
+        return value, {key: reader.read(name).reshape(shape) for key, name, shape in slot.state}
 
     try:
         view.install(source, read.scheduled)
@@ -118,8 +132,7 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> CheckpointError 
             f"place failed ({type(e).__name__}: {e}); the files passed their sha256 check just "
             "before, so the disk failed or a file was replaced meanwhile.")
     finally:
-        for reader in readers.values():
-            reader.close()
+        read.close()
     return None
 
 
@@ -178,13 +191,20 @@ def _check_and_read(view: ShardView, folder: Path, save_id: str | None = None,
     sha = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).digest()
     run = describe_run(view)
     check_against_run(manifest, run, view.comm.size, str(path))
-    if manifest.partition == "tensors":
-        slots = _owned_sources(view, manifest, path, run.virtuals)
-    else:
-        shard = check_shard(path, manifest, view.comm.rank)
-        slots = _shard_sources(view, manifest, shard, run.virtuals)
+    readers: list[LazyShard] = []
+    try:
+        if manifest.partition == "tensors":
+            slots = _owned_sources(view, manifest, path, run.virtuals, readers)
+        else:
+            readers.append(open_shard(path, manifest, view.comm.rank))
+            slots = _shard_sources(view, manifest, readers[0], run.virtuals)
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
     return _Read(notes, sha, slots, _saved_hyper_by_group(manifest, run,
-                                                          len(view.group_hyperparameters)))
+                                                          len(view.group_hyperparameters)),
+                 readers)
 
 
 def _saved_hyper_by_group(manifest: Manifest, run: RunSchema, groups: int
@@ -200,8 +220,8 @@ def _saved_hyper_by_group(manifest: Manifest, run: RunSchema, groups: int
     return [manifest.group_hyper[next(iter(s))] if len(s) == 1 else None for s in sources]
 
 
-def _shard_sources(view: ShardView, manifest: Manifest, shard: Path, run: list[VirtualRecord]
-                   ) -> list[_SlotSource]:
+def _shard_sources(view: ShardView, manifest: Manifest, shard: LazyShard,
+                   run: list[VirtualRecord]) -> list[_SlotSource]:
     by_key = manifest.virtual_by_key  # by key: a resharded manifest may list another order
     out = []
     for chunk in view.chunks():
@@ -214,16 +234,18 @@ def _shard_sources(view: ShardView, manifest: Manifest, shard: Path, run: list[V
     return out
 
 
-def _owned_sources(view: ShardView, manifest: Manifest, folder: Path, run: list[VirtualRecord]
-                   ) -> list[_SlotSource]:
+def _owned_sources(view: ShardView, manifest: Manifest, folder: Path, run: list[VirtualRecord],
+                   readers: list[LazyShard]) -> list[_SlotSource]:
     """Whole-tensor ownership: each tensor this rank owns, read whole from the shard of the
-    rank that owned it when saved (each such shard checked here, once); [Note: checkpoint
-    format]."""
+    rank that owned it when saved (each such shard checked here, once, and kept open in
+    ``readers``); [Note: checkpoint format]."""
     by_key = manifest.virtual_by_key
     chunks = view.chunks()
     wanted = [by_key[run[c.slot.virtual].key] for c in chunks]
-    shards = {r: check_shard(folder, manifest, r)
-              for r in sorted({v.owner for v in wanted if v.owner is not None})}
+    shards: dict[int, LazyShard] = {}
+    for r in sorted({v.owner for v in wanted if v.owner is not None}):
+        shards[r] = open_shard(folder, manifest, r)
+        readers.append(shards[r])
     out = []
     for chunk, v in zip(chunks, wanted):
         assert v.owner is not None

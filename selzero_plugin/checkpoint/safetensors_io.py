@@ -157,17 +157,55 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, tuple[str, tupl
 
 
 class LazyShard:
-    """Tensors of one safetensors file, read on demand, one positional read each."""
+    """Tensors of one safetensors file, read on demand, one positional read each. ``file``: the
+    file already open (a load reads through the descriptor it checked, so a file renamed over
+    the path meanwhile is never read, [Note: streaming load])."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, file: Any = None) -> None:
         self.path = str(path)
         self._file: Any = None
         self._header: dict[str, Any] = {}
         self._data_start = 0
+        self._given = file
+
+    def header(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """{name: (dtype code, shape)}, once the byte ranges are checked to tile the data
+        exactly (in order, each its dtype and shape's size, up to the end of the file)."""
+        f = self._open()
+        ranges = []
+        out = {}
+        for name, info in self._header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _DTYPE_OF_CODE[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorError(f"{self.path}: {name!r} has a malformed entry") from None
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * dtype.itemsize:
+                raise SafetensorError(f"{self.path}: {name!r} spans {end - begin} bytes, its "
+                                      "dtype and shape need another size")
+            ranges.append((begin, end, name))
+            out[name] = (info["dtype"], shape)
+        at = 0
+        for begin, end, name in sorted(ranges):
+            if begin != at:
+                raise SafetensorError(f"{self.path}: {name!r} starts at byte {begin}, not {at}")
+            at = end
+        if self._data_start + at != os.fstat(f.fileno()).st_size:
+            raise SafetensorError(f"{self.path}: the data ends at byte {self._data_start + at}, "
+                                  "the file does not")
+        return out
 
     def _open(self) -> Any:
         if self._file is None:
-            f = open(self.path, "rb")
+            f = self._given if self._given is not None else open(self.path, "rb")
+            self._given = None
+            f.seek(0)
             try:
                 raw = f.read(8)
                 if len(raw) != 8:
@@ -217,8 +255,14 @@ class LazyShard:
         self.close()
 
 
-def sha256_file(path: str | os.PathLike[str]) -> str:
+def sha256_file(path: str | os.PathLike[str] | Any) -> str:
+    """The sha256 of a file: a path, or a file open for binary reading (read from its start)."""
     digest = hashlib.sha256()
+    if hasattr(path, "read"):
+        path.seek(0)
+        while block := path.read(_HASH_BLOCK):
+            digest.update(block)
+        return digest.hexdigest()
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):
             digest.update(block)

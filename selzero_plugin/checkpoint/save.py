@@ -55,6 +55,12 @@ def stage_checkpoint(view: ShardView, folder: str | Path, *, save_id: str | None
     comm = view.comm
     what = f"save_checkpoint({folder})"
     run, error = local_phase(describe_run, view)
+    if view.refused is not None:  # the same on every rank of the group ([Note: streaming load])
+        error = CheckpointError(
+            f"[rank {comm.rank}/{comm.size}] {what}: the last load_checkpoint failed after it "
+            f"began writing the loaded state in place ({view.refused}); the subset's "
+            "parameters and optimizer state are a mixture, which a save would keep as a "
+            "checkpoint. Nothing was written: load a checkpoint again before saving.")
     staging: Path | None = None
     if comm.rank == 0 and error is None:
         staging, error = local_phase(_prepare_staging, folder)

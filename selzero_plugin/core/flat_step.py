@@ -466,9 +466,10 @@ class FlatStep:
         keys = self.keys[m]
         numel = self.numel_of_slot[i]
         if not self.on[m] or keys is None or set(read) != set(keys) or any(
-                read[k].numel() != (numel if kind == "elementwise" else 1)
+                read[k].numel() != (numel if kind == "elementwise" else 1) or
+                ((g, k) in self.flat and self.flat[g, k].dtype != read[k].dtype)
                 for k, kind in keys.items()):
-            return None
+            return None  # (a buffer of another dtype: the values torch's load would keep)
         for key, kind in keys.items():
             self._buffer(g, key, kind, read[key])
         views = self._slot_state(g, i, keys, read)

@@ -53,6 +53,7 @@ class ShardView:
     _gather: Callable[[], None]
     _refuse: Callable[[str], None]
     _check: Callable[[], None]
+    refused: str | None = None  # why saving is refused (a load failed part way), or None
 
     def check_installable(self) -> None:
         """Raise (a UsageError) where install() could not bind the parameters (replaced or

@@ -604,7 +604,8 @@ class SelectedZero2:
             idle=window.state is WindowState.IDLE, window_state=window.state.value,
             expert_parallel=self.expert_parallel, partition=self.config.partition,
             _chunks=self._chunks, _install=self._install, _gather=self._gather_installed,
-            _refuse=self._refuse_steps, _check=self._check_dtypes)
+            _refuse=self._refuse_steps, _check=self._check_dtypes,
+            refused=self._load_failed)
 
     def _chunks(self) -> list[Chunk]:
         return [Chunk(slot, seg, self.optimizer.state.get(seg) or {})
@@ -614,8 +615,9 @@ class SelectedZero2:
                  scheduled: list[dict[str, Any] | None] | None = None) -> None:
         """The local phase of a load ([Note: streaming load] in checkpoint/load.py), slot by
         slot: ``source(i)`` reads slot i's value and optimizer state (None: never stepped);
-        the value is copied into the segment, the state into the tensors the optimizer holds
-        for it when they match (else the read ones are taken). Communicates nothing: the
+        the value is copied into the segment, the state into the flat step's buffers (the
+        views the slot holds; never tensors a user put in the optimizer, which torch's own
+        load would not write either), else the read tensors are taken. Communicates nothing: the
         caller agrees on the outcome, then calls ``_gather_installed``. From here until then
         the instance refuses to step (a failure part way leaves mixed state)."""
         self._load_failed = "the load was interrupted while it wrote the loaded state in place"
@@ -625,16 +627,16 @@ class SelectedZero2:
         index = {id(p): n for n, p in enumerate(p for g in optimizer.param_groups
                                                 for p in g["params"])}
         by_index: dict[int, dict[str, torch.Tensor]] = {}
-        device = self.comm.device
         with torch.no_grad():
             for i, seg in enumerate(self.storage.segments):
                 value, state = source(i)
                 seg.detach().copy_(value)
-                if state is not None:
-                    by_index[index[id(seg)]] = _into_held(optimizer.state.get(seg), state,
-                                                          device) or \
-                        self.flat_step.place(i, state) or \
-                        {k: v.to(device=device, copy=True) for k, v in state.items()}
+                if state is not None:  # the flat step's buffers, written in place; else the
+                    # read tensors themselves (new memory, as torch's load_state_dict gives)
+                    state = {k: v if k == "step" else v.to(dtype=seg.dtype, device=seg.device)
+                             for k, v in state.items()}  # torch's own policy for state values
+                    placed = self.flat_step.place(i, state)
+                    by_index[index[id(seg)]] = placed if placed is not None else state
         # This run's hyperparameters stay (runtime settings); only the state is replaced.
         optimizer.load_state_dict({"state": by_index,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
@@ -682,8 +684,7 @@ class SelectedZero2:
     def save_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every rank of the group calls it: one safetensors shard per rank plus manifest.json,
         staged beside ``folder`` and put in place by one rank once complete."""
-        self._check_loaded(f"save_checkpoint({folder})")
-        _io().save(self.checkpoint_view(), folder)
+        _io().save(self.checkpoint_view(), folder)  # (refused after a failed load: save.py)
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every rank calls it: restores optimizer state and the subset's parameter values; all
@@ -767,20 +768,6 @@ def owning_instance(param: torch.Tensor) -> "SelectedZero2 | None":
     owner = getattr(param, "_selzero_owner", None)
     live = owner() if owner is not None else None
     return live if live is not None and live.window.installed else None
-
-
-def _into_held(held: dict[str, Any] | None, read: dict[str, torch.Tensor],
-               device: torch.device) -> dict[str, torch.Tensor] | None:
-    """One segment's loaded state copied into the tensors the optimizer holds for it, when
-    they have the same keys and shapes (no new memory; the flat step's views stay); None
-    otherwise."""
-    if not held or set(held) != set(read) or not all(
-            isinstance(held[k], torch.Tensor) and held[k].shape == v.shape
-            for k, v in read.items()):
-        return None
-    for k, v in read.items():
-        held[k].copy_(v)
-    return dict(held)
 
 
 def _take_stale_grads(trainable: list[SelectedEntry]) -> None:
