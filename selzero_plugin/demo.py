@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from torch import nn
 from .config import SelZeroConfig
 from .ddp import wrap_ddp
 from .core.zero2 import SelectedZero2
+from .ports import free_port as _free_port
 
 __all__ = ["launch", "worker", "DemoMoE", "DemoConfig"]
 
@@ -107,12 +107,6 @@ def launch(nproc: int, steps: int, out: str | None, host: str = "ddp", ep: int |
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the model --------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from selzero_plugin import SelZeroConfig
 
 from ._doc_blocks import LINKED, MODES, ROOT, Block, all_blocks, expected_output, known_lines, \
     normalized, output_matches, pages, unique_runs
+from selzero_plugin.ports import free_port as _free_port
 
 BIN = Path(sys.executable).parent
 # [text](target "title"), ![image](target), <https://...>
@@ -157,12 +157,6 @@ def test_configuration_page_has_one_row_per_field():
     assert names == fields, (f"fields without a row: {sorted(set(fields) - set(names))}; rows "
                              f"that name no field: {sorted(set(names) - set(fields))}; order: "
                              "that of SelZeroConfig")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_block(block: Block, folder: Path, timeout: float = 240.0) -> subprocess.CompletedProcess:

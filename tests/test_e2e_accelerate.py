@@ -5,13 +5,13 @@ resume, and a bad config refused before any process starts."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from selzero_plugin.ports import free_port as _free_port
 
 pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc]
@@ -23,19 +23,20 @@ BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(tmp: Path, *script_args: str, selzero: bool = True, config: Path = CONFIG) -> str:
     launcher = [str(BIN / "selzero-accelerate"), "launch"] if selzero else \
         [str(BIN / "accelerate"), "launch"]
     cmd = [*launcher, "--multi_gpu", "--num_processes", "2", "--main_process_port",
            str(_free_port()), *(["--selzero_config", str(config)] if selzero else []),
            str(TRAIN), *script_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp, env=ENV)
+    try:  # below pytest's own timeout, so that a hang shows what the launch printed
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=tmp,
+                              env=ENV)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                    for x in (e.stdout, e.stderr))
+        raise AssertionError(f"the launch did not end in 200 s: {cmd}\nstdout:\n{out[-3000:]}"
+                             f"\nstderr:\n{err[-4000:]}") from None
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return proc.stdout
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from selzero_plugin.ports import free_port as _free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc]
 
@@ -27,12 +27,6 @@ def _load_train() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from selzero_plugin.ports import free_port as _free_port
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.e2e, pytest.mark.multiproc]
@@ -24,12 +24,6 @@ TRAIN = ROOT / "integrations" / "deepspeed" / "train.py"
 CONFIG = ROOT / "configs" / "deepspeed_zero2_experts.json"
 WORLD, STEPS, SEED = 2, 6, 3
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(cmd: list[str], tmp: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from selzero_plugin.ports import free_port as _free_port
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -25,12 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "tests" / "_trainer_runs.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1",
        "PYTHONPATH": str(ROOT)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(out: Path, model: str, *variants: str) -> str:

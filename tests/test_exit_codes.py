@@ -13,7 +13,6 @@ thread holds the last reference to it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
+from selzero_plugin.ports import free_port as _free_port
 
 from .dist_utils import all_values, run_ranks
 
@@ -59,12 +60,6 @@ for step in range(30):
     opt.zero_grad()
 print("trained")
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 README_EXAMPLE = "# torchrun --nproc-per-node 2 example.py"  # its first line (tests/test_docs.py)

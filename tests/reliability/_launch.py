@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from selzero_plugin.ports import free_port
 
 __all__ = ["free_port", "start", "wait_all"]
 
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
              "LOCAL_WORLD_SIZE")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(tmp: Path, tag: str, script: Path, *, nnodes: int, node_rank: int, nproc: int,
