@@ -173,3 +173,50 @@ def test_no_pickle_in_the_checkpoint_code_except_the_explicit_torch_export():
         assert saves == (2 if module is checkpoint_tools else 0), module.__name__
     assert "torch.save(" in inspect.getsource(checkpoint_tools.export_torch_state_dict)
     assert "torch.save(" in inspect.getsource(checkpoint_tools.export_model_state)
+
+
+def _rewrite_header(path, change):
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    data = raw[8 + length:]
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("case", ["float shape", "string offsets", "bool dimension",
+                                  "negative offset", "gap", "unknown dtype", "short file"])
+def test_lazy_shard_refuses_a_header_safetensors_refuses(tmp_path, case):
+    """Review finding: LazyShard coerced header values with int(), so a shape of 17.0 or
+    offsets of "968" passed the load's checks that safetensors' parser refuses, and the load
+    then failed part way (after the ranks agreed, leaving a mixture)."""
+    LazyShard, SafetensorError = safetensors_io.LazyShard, safetensors_io.SafetensorError
+    path = tmp_path / "x.safetensors"
+    plan = [TensorPlan("a", torch.float32, (3,)), TensorPlan("b", torch.float32, (2, 2))]
+    with StreamingWriter(path, plan) as w:
+        w.write("a", torch.arange(3.0))
+        w.write("b", torch.ones(2, 2))
+        w.close()
+    reader = LazyShard(path)
+    assert reader.header() == {"a": ("F32", (3,)), "b": ("F32", (2, 2))}
+    assert torch.equal(reader.read("b"), torch.ones(2, 2))
+    reader.close()
+    edits = {
+        "float shape": lambda h: h["a"].update(shape=[3.0]),
+        "string offsets": lambda h: h["a"].update(data_offsets=["0", "12"]),
+        "bool dimension": lambda h: h["a"].update(shape=[True, 3]),
+        "negative offset": lambda h: h["a"].update(data_offsets=[-4, 8]),
+        "gap": lambda h: h["b"].update(data_offsets=[16, 32]),
+        "unknown dtype": lambda h: h["a"].update(dtype="F31"),
+        "short file": None,
+    }
+    if case == "short file":
+        path.write_bytes(path.read_bytes()[:-4])
+    else:
+        _rewrite_header(path, edits[case])
+    with pytest.raises(SafetensorError):
+        LazyShard(path).header()
+    with pytest.raises(SafetensorError):
+        LazyShard(path).read("a")

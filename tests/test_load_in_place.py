@@ -147,3 +147,32 @@ def test_a_load_never_writes_into_state_the_user_put_in(tmp_path, twist):
     for run in all_values(run_ranks(users_state_run, 2, str(tmp_path), twist, timeout=120)):
         assert run["state"] == [], run["state"][:5]
         assert run["snapshot"] == [], run["snapshot"][:5]
+
+
+def bf16_buffer_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    model, sz = _make(cls=torch.optim.Adam)
+    train(model, sz, rank, range(3), 3)
+    sz.save_checkpoint(f"{root}/ck")
+    sz.remove_hooks()
+    out = {}
+    for arm in ("fresh", "bf16 from the start"):
+        model, sz = _make(cls=torch.optim.Adam)
+        if arm != "fresh":  # the user keeps second moments in bf16: the flat buffer is bf16
+            for seg in sz.segments:
+                sz.optimizer.state[seg] = {
+                    "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(seg),
+                    "exp_avg_sq": torch.zeros_like(seg, dtype=torch.bfloat16)}
+            train(model, sz, rank, range(10, 12), 3)
+        sz.load_checkpoint(f"{root}/ck")
+        train(model, sz, rank, range(3, 5), 3)
+        out[arm] = {**params_of(model), **state_of(sz)}
+        sz.remove_hooks()
+    return {"changed": differences(out["fresh"], out["bf16 from the start"])}
+
+
+def test_a_load_beside_a_bf16_flat_buffer_trains_as_a_fresh_load(tmp_path):
+    """Review finding: the loaded FP32 state was copied into the flat step's bf16 buffer (made
+    from the user's bf16 moments) at the next step, and rounded; a state of another dtype
+    than its buffer now ends the flat path for that optimizer (torch's per-segment step)."""
+    for run in all_values(run_ranks(bf16_buffer_run, 2, str(tmp_path), timeout=120)):
+        assert run["changed"] == [], run["changed"][:5]

@@ -100,3 +100,22 @@ def test_coalesce_copies_keeps_pieces_apart_that_do_not_line_up(case):
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s), case
     assert len(merged_d) == (2 if case == "order" else len(dsts)), case
+
+
+def test_coalesce_copies_leaves_pieces_at_a_descending_stride_apart():
+    """Review finding: parameters laid out in model order in one buffer
+    (``torch.nn.utils.vector_to_parameters``) lie at a negative stride in bucket order (reverse
+    model order); as_strided refuses negative strides, and every step raised (one rank alone
+    where the other's padding broke its run, which then hung in the all-gather)."""
+    from selzero_plugin.core.rowcopy import coalesce_copies
+
+    flat = torch.arange(20.0)
+    srcs = [flat[12:16], flat[6:10], flat[0:4]]  # descending, stride -6
+    scratch = torch.zeros(12)
+    dsts = list(torch.split(scratch, [4, 4, 4]))
+    merged_d, merged_s = coalesce_copies(dsts, srcs)
+    torch._foreach_copy_(merged_d, merged_s)
+    assert torch.equal(scratch, torch.cat(srcs))
+    overlapping = [flat[0:4], flat[2:6]]  # a stride below the length: no merge either
+    merged_d, _ = coalesce_copies(list(torch.split(torch.zeros(8), [4, 4])), overlapping)
+    assert len(merged_d) == 2

@@ -167,38 +167,49 @@ class LazyShard:
         self._header: dict[str, Any] = {}
         self._data_start = 0
         self._given = file
+        self._checked: dict[str, tuple[str, torch.dtype, tuple[int, ...], int, int]] | None = None
 
     def header(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """{name: (dtype code, shape)}, once the byte ranges are checked to tile the data
-        exactly (in order, each its dtype and shape's size, up to the end of the file)."""
+        """{name: (dtype code, shape)}, once every entry is checked: a known dtype code, a
+        shape and offsets of non-negative integers (JSON numbers with no fraction: 17.0, "17"
+        and true are refused, as safetensors' own parser does), each range the size its dtype
+        and shape give, the ranges tiling the data in order up to the end of the file."""
+        return {name: (code, shape) for name, (code, _, shape, _, _) in self._entries().items()}
+
+    def _entries(self) -> dict[str, tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+        """The checked header (``header``), parsed once; ``read`` uses these values only."""
+        if self._checked is not None:
+            return self._checked
         f = self._open()
-        ranges = []
         out = {}
         for name, info in self._header.items():
             if name == "__metadata__":
                 continue
-            try:
-                dtype = _DTYPE_OF_CODE[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise SafetensorError(f"{self.path}: {name!r} has a malformed entry") from None
+            code = info.get("dtype") if isinstance(info, dict) else None
+            shape = info.get("shape") if isinstance(info, dict) else None
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            if not isinstance(code, str) or code not in _DTYPE_OF_CODE \
+                    or not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
+                raise SafetensorError(f"{self.path}: {name!r} has a malformed entry "
+                                      f"({json.dumps(info)[:120]})")
+            dtype = _DTYPE_OF_CODE[code]
+            begin, end = offsets
             numel = 1
             for d in shape:
                 numel *= d
             if end - begin != numel * dtype.itemsize:
                 raise SafetensorError(f"{self.path}: {name!r} spans {end - begin} bytes, its "
                                       "dtype and shape need another size")
-            ranges.append((begin, end, name))
-            out[name] = (info["dtype"], shape)
+            out[name] = (code, dtype, tuple(shape), begin, end)
         at = 0
-        for begin, end, name in sorted(ranges):
-            if begin != at:
-                raise SafetensorError(f"{self.path}: {name!r} starts at byte {begin}, not {at}")
-            at = end
+        for name, entry in sorted(out.items(), key=lambda kv: kv[1][3:]):
+            if entry[3] != at:
+                raise SafetensorError(f"{self.path}: {name!r} starts at byte {entry[3]}, not {at}")
+            at = entry[4]
         if self._data_start + at != os.fstat(f.fileno()).st_size:
             raise SafetensorError(f"{self.path}: the data ends at byte {self._data_start + at}, "
                                   "the file does not")
+        self._checked = out
         return out
 
     def _open(self) -> Any:
@@ -221,26 +232,18 @@ class LazyShard:
         return self._file
 
     def read(self, name: str) -> torch.Tensor:
-        f = self._open()
-        info = self._header.get(name)
-        if not isinstance(info, dict) or name == "__metadata__":
+        entries = self._entries()  # (checked once)
+        if name not in entries:
             raise SafetensorError(f"{self.path}: no tensor {name!r}")
-        dtype = _DTYPE_OF_CODE.get(info.get("dtype"))
-        shape = tuple(info.get("shape", ()))
-        begin, end = info.get("data_offsets", (0, -1))
-        if dtype is None:
-            raise SafetensorError(f"{self.path}: {name!r} has dtype {info.get('dtype')!r}")
+        _, dtype, shape, begin, end = entries[name]
         out = torch.empty(shape, dtype=dtype)
-        nbytes = out.numel() * out.element_size()
-        if end - begin != nbytes:
-            raise SafetensorError(f"{self.path}: {name!r} spans {end - begin} bytes, its dtype "
-                                  f"and shape need {nbytes}")
-        if nbytes:
+        if end > begin:
+            f = self._open()
             f.seek(self._data_start + begin)
             got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
-            if got != nbytes:
-                raise SafetensorError(f"{self.path}: {name!r} is cut short ({got} of {nbytes} "
-                                      "bytes); the file is truncated")
+            if got != end - begin:
+                raise SafetensorError(f"{self.path}: {name!r} is cut short ({got} of "
+                                      f"{end - begin} bytes); the file is truncated")
         return out
 
     def close(self) -> None:
@@ -253,6 +256,11 @@ class LazyShard:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _naturals(value: Any) -> bool:
+    """A list of non-negative ints (not bools, nor floats or strings that look like ints)."""
+    return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
 
 
 def sha256_file(path: str | os.PathLike[str] | Any) -> str:

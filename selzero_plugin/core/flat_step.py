@@ -444,7 +444,11 @@ class FlatStep:
             if set(held) != set(keys) or any(
                     not isinstance(held[k], torch.Tensor) or
                     (kind == "elementwise" and held[k].numel() != self.storage.slots[i].numel)
+                    or ((g, k) in self.flat and self.flat[g, k].dtype != held[k].dtype)
                     for k, kind in keys.items()):
+                # (a dtype other than the buffer's: a user's bf16 moments beside FP32 ones, a
+                # load's FP32 state beside a bf16 buffer; the per-segment path keeps each as
+                # torch would, where a copy into the buffer would round it: review finding)
                 self._turn_off(m)
                 return
             for key, kind in keys.items():

@@ -148,9 +148,12 @@ def coalesce_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
         d0, s0 = dsts[i], srcs[i]
         k = d0.numel()
         j = i + 1
-        if d0.dim() == 1 and s0.dim() == 1 and k and j < n:
+        if j < n and k and _follows(d0, d0, 0, k) and _follows(s0, d0, None, k):
+            # pieces at a stride of at least their length (ascending, no overlap): parameters
+            # laid out in model order in one buffer (vector_to_parameters) lie at a negative
+            # stride in bucket order, which as_strided refuses (review finding)
             stride = srcs[j].storage_offset() - s0.storage_offset()
-            while j < n and _follows(dsts[j], d0, (j - i) * k, k) and \
+            while stride >= k and j < n and _follows(dsts[j], d0, (j - i) * k, k) and \
                     _follows(srcs[j], s0, (j - i) * stride, k):
                 j += 1
         if j - i > 1:
@@ -163,8 +166,11 @@ def coalesce_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor]
     return out_d, out_s
 
 
-def _follows(t: torch.Tensor, first: torch.Tensor, offset: int, k: int) -> bool:
-    """``t`` is ``first``'s 1-D shape, dtype and storage, ``offset`` elements further."""
-    return t.dim() == 1 and t.numel() == k and t.stride() == (1,) and t.dtype == first.dtype \
-        and t.storage_offset() == first.storage_offset() + offset \
-        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+def _follows(t: torch.Tensor, first: torch.Tensor, offset: int | None, k: int) -> bool:
+    """``t`` is 1-D, contiguous, of ``k`` elements; unless ``offset`` is None, also of
+    ``first``'s dtype and storage, ``offset`` elements further."""
+    if t.dim() != 1 or t.numel() != k or t.stride() != (1,):
+        return False
+    return offset is None or (
+        t.dtype == first.dtype and t.storage_offset() == first.storage_offset() + offset
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())

@@ -633,8 +633,8 @@ class SelectedZero2:
                 seg.detach().copy_(value)
                 if state is not None:  # the flat step's buffers, written in place; else the
                     # read tensors themselves (new memory, as torch's load_state_dict gives)
-                    state = {k: v if k == "step" else v.to(dtype=seg.dtype, device=seg.device)
-                             for k, v in state.items()}  # torch's own policy for state values
+                    state = _as_torch_loads(state, seg, optimizer.param_groups[
+                        self.flat_step.group_of_slot[i]])
                     placed = self.flat_step.place(i, state)
                     by_index[index[id(seg)]] = placed if placed is not None else state
         # This run's hyperparameters stay (runtime settings); only the state is replaced.
@@ -768,6 +768,18 @@ def owning_instance(param: torch.Tensor) -> "SelectedZero2 | None":
     owner = getattr(param, "_selzero_owner", None)
     live = owner() if owner is not None else None
     return live if live is not None and live.window.installed else None
+
+
+def _as_torch_loads(state: dict[str, torch.Tensor], seg: torch.Tensor,
+                    group: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """State values as ``torch.optim.Optimizer.load_state_dict`` makes them for ``seg``
+    (``_process_value_according_to_param_policy``): ``step`` as given, or FP32 on the
+    parameter's device for a fused or capturable group; the rest in the parameter's dtype and
+    on its device."""
+    step_on_device = bool(group.get("fused") or group.get("capturable"))
+    return {k: (v.to(dtype=torch.float32, device=seg.device) if step_on_device else v)
+            if k == "step" else v.to(dtype=seg.dtype, device=seg.device)
+            for k, v in state.items()}
 
 
 def _take_stale_grads(trainable: list[SelectedEntry]) -> None:
