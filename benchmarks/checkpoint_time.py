@@ -18,10 +18,11 @@ the RSS before the operation. Each load is checked: the state, the shards and th
 expert parameters are zeroed first and must equal what was saved afterwards.
 
 ``--reshard-to M`` adds the change of world size, N -> M: the same trained state saved at N
-ranks, then for ``selzero`` the offline ``selzero reshard`` (one process, as the CLI runs it:
-``relayout.reshard_root``) and a load at M ranks, for ``dcp`` DCP's own load at M ranks (it
-reshards at load time: each rank reads the pieces of the saved shards its new DTensor shards
-cover). Each loaded rank checks every segment, moment and step count against the full state
+ranks, then, as a fresh process resuming, for ``selzero`` the offline ``selzero reshard`` (one
+process, as the CLI runs it: ``relayout.reshard_root``) and a load at M ranks into an instance
+without state (the load makes it), for ``dcp`` DCP's own load at M ranks (it reshards at load
+time: each rank reads the pieces of the saved shards its new DTensor shards cover) into state
+of the right shapes made first, within the timed window. Each loaded rank checks every segment, moment and step count against the full state
 of the saved checkpoint (read with selzero's offline reader, sliced at this rank's chunks).
 Reported: reshard seconds and peak RSS growth (its process), load seconds at M (slowest
 rank) and peak RSS growth, and the ratio of selzero's reshard + load to DCP's load.
@@ -237,7 +238,7 @@ def _reshard_worker(rank: int, world: int, mode: str, phase: str, spec: dict[str
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{work}/init-{phase}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{work}/init-{phase}-{mode}", rank=rank,
                             world_size=world)
     folder = Path(work)
     result: dict[str, float] = {}
@@ -256,20 +257,20 @@ def _reshard_worker(rank: int, world: int, mode: str, phase: str, spec: dict[str
         model = build_model(spec)
         sz = SelectedZero2(model, {"params": ["*.experts.*"]}, torch.optim.AdamW,
                            {"lr": 1e-4, "weight_decay": 0.1})
-        # DCP loads into existing tensors: state of the right shapes first, for both (selzero
-        # then writes into it in place too: like for like)
-        for seg in sz.segments:
-            sz.optimizer.state[seg] = {"step": torch.tensor(0.0),
-                                       "exp_avg": torch.zeros_like(seg),
-                                       "exp_avg_sq": torch.zeros_like(seg)}
         dist.all_reduce(torch.zeros(1))
         before = _reset_peak_rss()
         t0 = time.perf_counter()
-        if mode == "selzero":
+        if mode == "selzero":  # a fresh process resuming: the load makes the state
             load_from(folder / "selzero-resharded", [sz])
         else:
             import torch.distributed.checkpoint as dcp
 
+            # DCP loads into existing tensors: the state of the right shapes is made first,
+            # inside the timed window (what resuming a fresh process takes with DCP)
+            for seg in sz.segments:
+                sz.optimizer.state[seg] = {"step": torch.tensor(0.0),
+                                           "exp_avg": torch.zeros_like(seg),
+                                           "exp_avg_sq": torch.zeros_like(seg)}
             dcp.load(_dcp_state(sz, world), checkpoint_id=str(folder / "dcp"))
             sz.collectives.all_gather_updated([True] * len(sz.layout.virtuals))
         elapsed = torch.tensor([time.perf_counter() - t0, _peak_rss() - before],

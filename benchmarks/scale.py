@@ -64,6 +64,43 @@ def build_model(layers: int, width: int) -> Any:
     return Qwen3MoeForCausalLM(config)
 
 
+class _Done:
+    """A finished collective (the fake backend sends nothing either way)."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def fake_uneven_rows() -> None:
+    """The fake backend checks that the pieces of an all_gather / reduce_scatter have equal
+    sizes, which whole-tensor ownership's uneven rows do not (at N=256 on this model): such a
+    collective returns at once here, as the fake one would."""
+    import torch.distributed as dist
+
+    if getattr(dist.all_gather, "_uneven", False):
+        return
+    gather, scatter = dist.all_gather, dist.reduce_scatter
+
+    def all_gather(tensor_list: Any, tensor: Any, group: Any = None, async_op: bool = False
+                   ) -> Any:
+        if len({t.numel() for t in tensor_list}) > 1:
+            return _Done() if async_op else None
+        return gather(tensor_list, tensor, group=group, async_op=async_op)
+
+    def reduce_scatter(output: Any, input_list: Any, op: Any = None, group: Any = None,
+                       async_op: bool = False) -> Any:
+        if len({t.numel() for t in input_list}) > 1:
+            return _Done() if async_op else None
+        return scatter(output, input_list, op=op or dist.ReduceOp.SUM, group=group,
+                       async_op=async_op)
+
+    all_gather._uneven = True  # type: ignore[attr-defined]
+    dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
+
+
 def mirror_peers() -> None:
     """Every peer made this rank's call ([Note: the module docstring])."""
     from selzero_plugin.core.window import ReductionWindow
@@ -260,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     mirror_peers()
+    fake_uneven_rows()
     rows = []
     for partition in args.partition.split(","):
         if partition not in ("chunks", "tensors"):

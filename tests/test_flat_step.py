@@ -76,6 +76,10 @@ def test_flat_step_under_a_users_changes_to_state_and_hyperparameters(opt, twist
         _same(out["flat"], out["segments"])
         if twist == "posthook":
             assert out["flat"]["raised"] == out["segments"]["raised"] == [2]
+        if twist == "bound":  # [Note: scratch bound]: batches, each of runs
+            flat = out["flat"]
+            assert len(flat["tensors_per_step"]) > len(flat["snaps"]), flat["tensors_per_step"]
+            assert max(flat["tensors_per_step"]) < flat["segments"]
 
 
 def test_the_step_allocates_no_scratch_beyond_its_bound():

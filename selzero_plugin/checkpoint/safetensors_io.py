@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +42,18 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 _DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """Worker threads that hash what the writers write (made at the first write)."""
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
+                                         thread_name_prefix="selzero-sha256")
+        return _HASHER
 _HASH_BLOCK = 4 << 20
 
 
@@ -93,14 +107,24 @@ class StreamingWriter:
         self._plan = list(plan)
         self._next = 0
         self._hash = hashlib.sha256()
+        self._hashing: Future[None] | None = None
         self._bytes = 0
         self._file = open(self.path, "wb")
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
     def _emit(self, data: Any) -> None:
+        """Write ``data`` and hash it on a worker thread (hashlib releases the GIL), so that
+        hashing a block overlaps with writing it and with making the next one; one block of
+        this file is hashed at a time, in order."""
         self._file.write(data)
-        self._hash.update(data)
+        self._wait_hashing()
+        self._hashing = _hasher().submit(self._hash.update, data)
         self._bytes += memoryview(data).nbytes
+
+    def _wait_hashing(self) -> None:
+        if self._hashing is not None:
+            pending, self._hashing = self._hashing, None
+            pending.result()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next planned tensor (its name, dtype and shape must match the plan)."""
@@ -130,11 +154,15 @@ class StreamingWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self._wait_hashing()
         return self._bytes, self._hash.hexdigest()
 
     def abort(self) -> None:
         if not self._file.closed:
             self._file.close()
+        if self._hashing is not None:
+            self._hashing.cancel() or self._hashing.exception()  # (done with it either way)
+            self._hashing = None
 
     def __enter__(self) -> "StreamingWriter":
         return self

@@ -20,8 +20,10 @@ optimizer as one 1-D tensor, a *run*:
   most one bucket block of elements (``scratch_numel``: the largest bucket's buffer, or
   ``SCRATCH_NUMEL`` if more) and is the buffer pool's idle block when it fits (on the CPU
   the pool keeps two; none is in use during the step), so the step allocates nothing new and
-  its transient memory stays within ZeRO-2's "about two buckets"; fp32 runs beyond the bound
-  are stepped segment by segment (their values are the segments themselves);
+  its transient memory stays within ZeRO-2's "about two buckets"; when a rank's fp32 runs
+  hold more, they are stepped in batches that fit, one optimizer step each (splitting them
+  into one-segment runs instead made the step slower than the per-segment path on 4,096
+  experts: 63.8 against 41.5 us per tensor);
 - gradients: ``grad_shard``;
 - state: one flat buffer per optimizer group and state key, the group's slots packed;
   scalar state (0-dim) one element per slot. Each segment's public state
@@ -31,7 +33,8 @@ optimizer as one 1-D tensor, a *run*:
 The public optimizer runs the update itself: during its ``step()`` its groups' ``params`` and
 its ``state`` are the runs' and are restored afterwards (also when a step hook raises after the
 update: what the update did is kept), so an LR scheduler's step counter and the groups' live
-hyperparameters apply; step hooks run then and see the runs. State that is not held in the flat
+hyperparameters apply; step hooks run then and see the runs (once per batch, [Note: scratch
+bound]: a rank whose fp32 share exceeds a bucket block steps in several). State that is not held in the flat
 buffers (a ``load_state_dict``, ``state.clear()``, a tensor or dict a user put in, the state
 Adagrad makes at construction) is copied in before the step (*adopted*): each slot's dict and
 its values are checked by identity at every step. An update that makes state other than what
@@ -145,9 +148,9 @@ class FlatStep:
                                                  if self.group_of_slot[i] == g], dtype=torch.long)
                                 for g in self.group_count}
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # the last step's scratch views, kept while its block and its runs stay the same
-        self._scratch_cache: tuple[Any, list[torch.Tensor], list[tuple[torch.Tensor,
-                                                                      torch.Tensor]]] | None = None
+        # scratch views per (block, segment generation, runs): kept while they recur
+        self._scratch_cache: dict[Any, tuple[list[torch.Tensor],
+                                             list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._grads_clear = False
         self._held: list[tuple[tuple[str, torch.Tensor], ...]] = [()] * self.n
 
@@ -220,13 +223,14 @@ class FlatStep:
                 return
             stepping = torch.tensor(list(update), dtype=torch.bool)[self.virtual_of_slot] & \
                 self.eligible_slot
-            runs = self._bounded(self._runs(stepping))
+            runs = self._runs(stepping)
             self.runs_last_step = len(runs)
-            scratch, values = self._copy_in(runs)
-            try:
-                self._step_runs(runs, values)
-            finally:
-                self._copy_out(scratch)
+            for batch in self._batches(runs):  # [Note: scratch bound]
+                scratch, values = self._copy_in(batch)
+                try:
+                    self._step_runs(batch, values)
+                finally:
+                    self._copy_out(scratch)
 
     def _runs(self, stepping: torch.Tensor) -> list[tuple[int, int]]:
         """(first, end) slot ranges to step as one tensor each: maximal, then capped."""
@@ -267,22 +271,20 @@ class FlatStep:
         """Does ``run`` step through the scratch (several fp32 segments)?"""
         return run[1] - run[0] > 1 and not self.is_master[run[0]]
 
-    def _bounded(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Scratch runs beyond ``scratch_numel`` elements in all split into one-segment runs
-        ([Note: scratch bound])."""
+    def _batches(self, runs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The runs in order, cut into batches whose scratch runs hold at most
+        ``scratch_numel`` elements ([Note: scratch bound]); one optimizer step each."""
+        batches: list[list[tuple[int, int]]] = [[]]
         room = self.scratch_numel
-        out: list[tuple[int, int]] = []
         for a, b in runs:
-            if not self._scratch_run((a, b)):
-                out.append((a, b))
-                continue
-            numel = self.value_off[b - 1] + self.numel_of_slot[b - 1] - self.value_off[a]
-            if numel <= room:
+            if self._scratch_run((a, b)):
+                numel = self.value_off[b - 1] + self.numel_of_slot[b - 1] - self.value_off[a]
+                if numel > room and room < self.scratch_numel:
+                    batches.append([])
+                    room = self.scratch_numel
                 room -= numel
-                out.append((a, b))
-            else:
-                out += [(i, i + 1) for i in range(a, b)]
-        return out
+            batches[-1].append((a, b))
+        return batches
 
     def _slot_scalars(self, key: str) -> torch.Tensor:
         """Per slot: the scalar state ``key`` as float64 (NaN where none is held)."""
@@ -375,9 +377,9 @@ class FlatStep:
         scratch = self.pool.take(total, _FP32) if self.pool is not None else \
             torch.empty(total, dtype=_FP32, device=storage.grad_shard.device)
         key = (scratch.data_ptr(), storage.generation, tuple(runs[j] for j in packed))
-        cache = self._scratch_cache
-        if cache is not None and cache[0] == key:
-            run_views, self._copied = cache[1], cache[2]
+        cache = self._scratch_cache.get(key)
+        if cache is not None:
+            run_views, self._copied = cache
         else:
             slot_views = torch.split(scratch[:total], sizes)
             self._copied = list(zip(*coalesce_copies(
@@ -385,8 +387,10 @@ class FlatStep:
                                    for i in range(*runs[j])])))
             run_views = _pieces(scratch, _runs_in(sizes, [runs[j][1] - runs[j][0]
                                                           for j in packed]))
-            self._scratch_cache = (key, run_views, self._copied) \
-                if self.pool is not None and self.pool.persistent(scratch) else None
+            if self.pool is not None and self.pool.persistent(scratch):
+                if len(self._scratch_cache) >= 64:  # routing changed the runs: start over
+                    self._scratch_cache.clear()
+                self._scratch_cache[key] = (run_views, self._copied)
         for j, view in zip(packed, run_views):
             values[j] = view
         torch._foreach_copy_([d for d, _ in self._copied], [s for _, s in self._copied])
