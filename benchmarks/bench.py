@@ -208,6 +208,7 @@ def build_model(spec: dict[str, Any]) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
+            self.num_experts = experts  # a fused module opts in to expert_dim by declaring it
             self.w1 = nn.Parameter(torch.randn(experts, d, h) / d ** 0.5)
             self.w2 = nn.Parameter(torch.randn(experts, h, d) / h ** 0.5)
 
