@@ -20,10 +20,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from selzero_plugin.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from selzero_plugin.ports import free_port as _free_port  # noqa: E402
 
 
 def _plain_ddp(example: str) -> str:
