@@ -3,28 +3,27 @@
 [Note: streaming load]
 Every rank first checks the checkpoint against its run without reading any tensor: manifest,
 format, group size, contract, optimizer class and state keys, and each shard it will read in
-full (size, sha256, the safetensors header against the manifest's plan). One exchange then
-agrees on the verdict and on the sha256 of the manifest each rank read: a failed check on any
-rank, or ranks pointed at different complete checkpoints (node-local copies, a stale network
-view, one rank falling back to ``.previous``), make every rank raise with its state untouched.
-Only then does each rank read its tensors one slot at a time straight into place: a value into
-its segment, optimizer state into the tensors the optimizer already holds (new ones only for
-segments that had none), so a load needs no memory beyond one slot's tensors (``LazyShard``
-reads each with one positional read). It used to read the rank's whole share into fresh
-memory first: +105 MiB on workload a, where ``torch.distributed.checkpoint`` loads in place. A
-second
+full (size, sha256, the safetensors header against the manifest's plan), through one open
+descriptor per shard. One exchange then agrees on the verdict and on the sha256 of the
+manifest each rank read: a failed check on any rank, or ranks pointed at different complete
+checkpoints (node-local copies, a stale network view, one rank falling back to
+``.previous``), make every rank raise with its state untouched. Only then does each rank read
+its tensors one slot at a time, through the descriptors it checked (a checkpoint saved over
+the folder meanwhile is never read), straight into place: a value into its segment, optimizer
+state into the flat step's own buffers (never into tensors a user put in the optimizer; the
+read tensors themselves where the flat step does not hold the state), so a load needs no
+memory beyond one slot's tensors. It used to read the rank's whole share into fresh memory
+first: +105 MiB on workload a, where ``torch.distributed.checkpoint`` loads in place. A second
 exchange agrees that every rank wrote its part; then the full parameters are all-gathered.
-Each shard is read through the descriptor its checksum was computed on, so a checkpoint
-saved over the same folder meanwhile (renamed into place) is never read: the load gets the
-files it checked, on every rank. What this gives up: a read that fails *after* its file passed
-the checksum (the disk fails, or the file is rewritten in place) leaves a mixture. Every rank then raises, and the
-instance refuses ``step()``, ``reduce_gradients()`` and ``save_checkpoint()`` on every rank
-until a load succeeds.
+What this gives up: a read that fails *after* its file passed the checksum (the disk fails,
+or the file is rewritten in place) leaves a mixture. Every rank then raises, and the instance
+refuses ``step()``, ``reduce_gradients()`` and every save on every rank until a load succeeds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +114,7 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> CheckpointError 
         slot = read.slots[i]
         reader = slot.shard
         value = reader.read(slot.value)
-        if tuple(value.shape) != slot.shape and value.numel() == _numel(slot.shape):
+        if tuple(value.shape) != slot.shape and value.numel() == math.prod(slot.shape):
             value = value.reshape(slot.shape)
         if tuple(value.shape) != slot.shape:
             raise CheckpointError(f"{slot.value}: saved value of shape {list(value.shape)}, "
@@ -130,7 +129,7 @@ def install_read(view: ShardView, read: _Read, *, what: str) -> CheckpointError 
         return CheckpointError(
             f"[rank {view.comm.rank}/{view.comm.size}] {what}: reading the checked shard into "
             f"place failed ({type(e).__name__}: {e}); the files passed their sha256 check just "
-            "before, so the disk failed or a file was replaced meanwhile.")
+            "before, so the disk failed or a file was rewritten in place meanwhile.")
     finally:
         read.close()
     return None
@@ -149,13 +148,6 @@ def finish_loads(comm: Communicator, views: list[ShardView], error: SelZeroError
         raise
     for view in views:
         view.gather_installed()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _resolve(folder: Path, save_id: str | None, indexed: bool) -> tuple[Path, list[str]]:

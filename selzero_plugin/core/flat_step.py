@@ -17,13 +17,12 @@ optimizer as one 1-D tensor, a *run*:
   ``RUN_NUMEL`` elements, or one that joins no neighbour) is that segment, stepped in place,
   and the segments of a longer fp32 run are copied into a scratch (packed) before the update
   and back after it, one foreach copy each way. [Note: scratch bound]: the scratch holds at
-  most one bucket block of elements (``scratch_numel``: the largest bucket's buffer) and
-  is the buffer pool's idle block (on the CPU
-  the pool keeps two; none is in use during the step), so the step allocates nothing new and
-  its transient memory stays within ZeRO-2's "about two buckets"; when a rank's fp32 runs
-  hold more, they are stepped in batches that fit, one optimizer step each (splitting them
-  into one-segment runs instead made the step slower than the per-segment path on 4,096
-  experts: 63.8 against 41.5 us per tensor);
+  most one bucket block of elements (``scratch_numel``: the largest bucket's buffer) and is
+  the buffer pool's idle block (on the CPU the pool keeps two; none is in use during the
+  step), so the step allocates nothing new and its transient memory stays within ZeRO-2's
+  "about two buckets"; when a rank's fp32 runs hold more, they are stepped in batches that
+  fit, one optimizer step each (splitting them into one-segment runs instead made the step
+  slower than the per-segment path on 4,096 experts: 63.8 against 41.5 us per tensor);
 - gradients: ``grad_shard``;
 - state: one flat buffer per optimizer group and state key, the group's slots packed;
   scalar state (0-dim) one element per slot. Each segment's public state
@@ -34,8 +33,8 @@ The public optimizer runs the update itself: during its ``step()`` its groups' `
 its ``state`` are the runs' and are restored afterwards (also when a step hook raises after the
 update: what the update did is kept), so an LR scheduler's step counter and the groups' live
 hyperparameters apply; step hooks run then and see the runs (once per batch, [Note: scratch
-bound]: a rank whose fp32 share exceeds a bucket block steps in several). State that is not held in the flat
-buffers (a ``load_state_dict``, ``state.clear()``, a tensor or dict a user put in, the state
+bound]: a rank whose fp32 share exceeds a bucket block steps in several). State that is not
+held in the flat buffers (a ``load_state_dict``, ``state.clear()``, a tensor or dict a user put in, the state
 Adagrad makes at construction) is copied in before the step (*adopted*): each slot's dict and
 its values are checked by identity at every step. An update that makes state other than what
 one step made at construction (a hyperparameter changed since: SGD's momentum turned on) ends
@@ -112,9 +111,6 @@ class FlatStep:
             else:
                 self.value_off.append(fp32)
                 fp32 += s.numel
-        self.fp32_numel = fp32
-        self.fp32_slots = [i for i in range(self.n) if not self.is_master[i]]
-        self.fp32_sizes = [slots[i].numel for i in self.fp32_slots]
         self.state_off: list[int] = []
         self.pos: list[int] = []  # index among the group's slots (scalar state)
         group_numel: dict[int, int] = defaultdict(int)
