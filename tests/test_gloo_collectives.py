@@ -90,3 +90,10 @@ def test_large_finite_values_are_not_nonfinite() -> None:
     assert not bool(holds_nonfinite(flat))
     assert not bool(holds_nonfinite(torch.full((1_000,), 3e38)))
     assert not bool(holds_nonfinite(torch.empty(0)))
+
+
+def test_nonfinite_answer_is_on_the_input_device_under_a_default_device() -> None:
+    """A process default device (``torch.set_default_device``) must not move the answer."""
+    with torch.device("meta"):
+        assert holds_nonfinite(torch.ones(8, device="cpu")).device.type == "cpu"
+        assert holds_nonfinite(torch.empty(0, device="cpu")).device.type == "cpu"

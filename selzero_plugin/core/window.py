@@ -464,9 +464,17 @@ class ReductionWindow:
         ids = self.layout.entry_virtuals[t]
         # a row is present when it holds a value other than (+-)0: its max or min is
         # non-zero (NaN counts). Two reductions, no full-size temporary (`ne(0)` made a
-        # bool copy of the gradient and took 7x as long)
+        # bool copy of the gradient and took 7x as long); on the CPU the min only where the
+        # max is 0 (a row of gradient is rarely all <= 0): 0.34 against 0.70 ms on 256 x 8192
         rows = grad.detach().reshape(len(ids), -1)
-        present = (rows.amax(dim=1) != 0) | (rows.amin(dim=1) != 0)
+        high = rows.amax(dim=1)
+        present = high != 0
+        if rows.device.type == "cpu":  # the min only of rows whose max is 0 (a host read)
+            zero = (~present).nonzero().flatten()
+            if zero.numel():
+                present[zero] = rows.index_select(0, zero).amin(dim=1) != 0
+        else:  # no host read inside backward
+            present |= rows.amin(dim=1) != 0
         self.micro_presence[ids[0]:ids[-1] + 1] |= present.to(_I64)
 
     def _on_unit_passed(self, u: int) -> None:
