@@ -58,7 +58,7 @@ def holds_nonfinite(flat: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=flat.device)
     if flat.device.type == "cpu" and bool(torch.isfinite(flat.sum())):
-        return torch.zeros((), dtype=torch.bool, device=flat.device)
+        return torch.zeros((), dtype=torch.bool)
     low, high = torch.aminmax(flat)
     return ~(torch.isfinite(low) & torch.isfinite(high))
 
