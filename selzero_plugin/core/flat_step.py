@@ -34,9 +34,9 @@ its ``state`` are the runs' and are restored afterwards (also when a step hook r
 update: what the update did is kept), so an LR scheduler's step counter and the groups' live
 hyperparameters apply; step hooks run then and see the runs (once per batch, [Note: scratch
 bound]: a rank whose fp32 share exceeds a bucket block steps in several). State that is not
-held in the flat buffers (a ``load_state_dict``, ``state.clear()``, a tensor or dict a user put in, the state
-Adagrad makes at construction) is copied in before the step (*adopted*): each slot's dict and
-its values are checked by identity at every step. An update that makes state other than what
+held in the flat buffers (a ``load_state_dict``, ``state.clear()``, a tensor or dict a user
+put in, the state Adagrad makes at construction) is copied in before the step (*adopted*):
+each slot's dict and its values are checked by identity at every step. An update that makes state other than what
 one step made at construction (a hyperparameter changed since: SGD's momentum turned on) ends
 the path for that optimizer for good: its slots get tensors of their own, cut from the runs',
 the flat buffers are freed, and the per-segment path runs from then on. A deep copy of one
