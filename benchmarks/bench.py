@@ -76,6 +76,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 MODES = ["ddp", "selzero", "fsdp2", "deepspeed", "deepspeed-sz", "selzero-uneven",
          "selzero-tensors"]
+# extra row: selzero-allreduce (SELZERO_GLOO_REDUCE=all_reduce: each bucket reduced by one
+# in-place all-reduce on gloo, the way before the point-to-point reduce-scatter)
 ACCUMULATION = 4  # micro-batches per step of the *-acc4 rows (not in the default modes)
 # extra rows: ddp-acc4 (no_sync on the first 3), selzero-acc4 (reduced micro-steps:
 # end_microstep), selzero-acc4-nosync (local micro-steps under ddp.no_sync())
@@ -105,7 +107,7 @@ PLAN_CHECK: dict[str, Any] = {}
 KEPT: dict[str, int] = {}  # selzero rows: bytes of the bucket blocks its pool keeps (CPU)
 _RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
          "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
-         "all_to_all": lambda n: (n - 1) / n}
+         "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 
 
 def _nbytes(t: Any) -> int:
@@ -148,6 +150,17 @@ def install_counters() -> None:
     wrap("all_to_all_single", "all_to_all", "input")
     wrap("all_gather_single", "all_gather", "output_tensor")  # torch 2.13: FSDP2, selzero
     wrap("reduce_scatter_single", "reduce_scatter", "input")
+    # point-to-point sends (selzero's reduce-scatter on gloo calls the process group's own
+    # send: [Note: p2p reduce-scatter]): every byte is on the wire once
+    process_group = dist.ProcessGroup
+    send = process_group.send
+
+    def counted_send(self: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        label = getattr(self, "group_name", "")
+        COUNTER.add("send", _nbytes(tensors), self.size(), label.startswith("selzero-"))
+        return send(self, tensors, *args, **kwargs)
+
+    process_group.send = counted_send
 
 
 def ddp_counting_hook(subset_ids: set[int]) -> Callable[..., Any]:
@@ -442,8 +455,11 @@ def _setup(mode: str, model: Any, spec: dict[str, Any], subset: list[Any], subse
             opt.step()
             opt.zero_grad(set_to_none=False)  # DDP keeps its gradient buckets alive anyway
         return step, full_state(opt)
-    if mode in ("selzero", "selzero-uneven", "selzero-tensors"):
+    if mode in ("selzero", "selzero-uneven", "selzero-tensors", "selzero-allreduce"):
         from selzero_plugin import SelectedZero2, wrap_ddp
+
+        if mode == "selzero-allreduce":
+            os.environ["SELZERO_GLOO_REDUCE"] = "all_reduce"
 
         if mode == "selzero-tensors":
             sz_config = {**sz_config, "partition": "tensors"}
@@ -531,7 +547,7 @@ def _note_kept(sz: Any) -> None:
     allocated before the backward, so the traced peak does not see them; they count as
     transient gradient memory all the same."""
     pool = sz.collectives.pool
-    KEPT["bytes"] = len(pool.kept) * pool.block_bytes
+    KEPT["bytes"] = pool.kept_bytes  # and the p2p receive temporary on gloo
     KEPT["bucket"] = pool.block_bytes
 
 
@@ -662,11 +678,12 @@ def table(workload: str, rounds: list[dict[str, dict[str, Any]]], modes: list[st
         "reaches every expert on every rank in every step (the peers need it), except "
         "`selzero-uneven`. Subset: the expert parameters, "
         f"P = {p:,} elements; wire lower bound (N-1)/N * P * (4 + {b}) = {_mb(bound)} per rank "
-        "(on gloo selzero reduces with an in-place all-reduce, faster there than gloo's "
-        "reduce-scatter but 2(N-1)/N, and gathers with one broadcast per rank's row, "
-        "(N-1)/N: 1.5x the bound at N=2 in fp32; on NCCL the real reduce-scatter and "
-        "all-gather run). Wire bytes: ring model of the bytes passed to torch.distributed's "
-        "collectives in one step. Backward transient: rank 0's allocation-level peak during "
+        "(on gloo selzero reduces with a point-to-point reduce-scatter, (N-1)/N, and gathers "
+        "with one broadcast per rank's row, (N-1)/N; `selzero-allreduce` reduces with one "
+        "in-place all-reduce per bucket instead, 2(N-1)/N: 1.5x the bound at N=2 in fp32; on "
+        "NCCL the real reduce-scatter and all-gather run). Wire bytes: ring model of the bytes "
+        "passed to torch.distributed's collectives in one step, point-to-point sends counted "
+        "as sent. Backward transient: rank 0's allocation-level peak during "
         "one backward (`selzero_plugin.memtrace`), plus, for selzero, the bucket blocks its "
         "CPU pool allocates once and reuses; DDP's gradients live in its buckets for the "
         "whole run (not transient), so its figure is what the backward allocates besides; "

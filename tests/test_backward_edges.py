@@ -69,7 +69,7 @@ def forwards_without_backward(rank: int, world: int) -> dict[str, Any]:
     bucket = _padded_fp32_bytes(model.blocks[0].experts.parameters(), world)
     sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"],
                                             bucket_mb=bucket / 2 ** 20), *SGD)
-    pooled = len(sz.collectives.pool.kept) * sz.collectives.pool.block_bytes
+    pooled = sz.collectives.pool.kept_bytes
     peaks = []  # buckets alive at most: the pool's plus those allocated inside the backward
     for step in range(3):
         if rank == 0:
@@ -269,7 +269,7 @@ def test_blocks_run_in_another_order_than_registered_stay_bounded_after_one_step
     bucket = _padded_fp32_bytes(model.blocks[0].experts.parameters(), 1)
     sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"],
                                             bucket_mb=bucket / 2 ** 20), *SGD)
-    pooled = len(sz.collectives.pool.kept) * sz.collectives.pool.block_bytes  # CPU: 2 buckets
+    pooled = sz.collectives.pool.kept_bytes  # CPU: 2 buckets
     peaks = []  # buckets alive at most: the pool's plus those allocated inside the backward
     for step in range(3):
         loss = block_loss(model, step, 0, layers=4, d=D, tokens=8, num_experts=EXPERTS)

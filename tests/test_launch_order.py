@@ -81,7 +81,7 @@ def _peaks(model: DropMoE, sz: SelectedZero2, rank: int, steps: list[tuple[int, 
     """(blocks run, rank 1's sleep) per step; the backward's peak in buckets per step. Rank 1
     also sleeps ``forward_sleep`` in its forward at the steps that drop a block."""
     pool = sz.collectives.pool
-    pooled, bucket = len(pool.kept) * pool.block_bytes, _bucket_bytes(sz.world_size)
+    pooled, bucket = pool.kept_bytes, _bucket_bytes(sz.world_size)
     peaks = []
     for step, (run, sleep) in enumerate(steps):
         model.run, model.sleep = run, sleep if rank == 1 else 0.0

@@ -95,6 +95,12 @@ class BufferPool:
         self.keep = keep if device.type == "cpu" else 0
         self.free = [self._new(block_bytes) for _ in range(self.keep)]
         self.kept = {b.data_ptr() for b in self.free}
+        self.extra_bytes = 0  # other memory kept beside the blocks (the p2p receive temporary)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes this pool keeps for the whole run: its blocks and ``extra_bytes``."""
+        return len(self.kept) * self.block_bytes + self.extra_bytes
 
     def _new(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -139,6 +145,8 @@ class BucketCollectives:
         self.largest = max((spec.buffer_numel(comm.size) for spec in layout.buckets), default=0)
         self.pool = BufferPool(self.largest * 4, comm.device,
                                keep=min(max_alive, len(layout.buckets)))  # no idle block
+        # gloo: the point-to-point reductions' receive temporary ([Note: p2p reduce-scatter])
+        self.pool.extra_bytes = comm.reserve_reduce_scratch(self.largest)
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
         self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
         self.entry_bucket = layout.entry_bucket

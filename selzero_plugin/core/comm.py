@@ -27,15 +27,19 @@ gloo implements ``reduce_scatter_tensor`` as a full-size ``clone()`` of the inpu
 all-reduce, and ``all_gather_into_tensor`` through a full-size temporary output: both double the
 transient memory of a bucket, and both measured slower here than one all-reduce of the same
 buffer (16 MiB on 2 ranks: 47 ms and 41 ms against 21-23 ms). On gloo selzero therefore reduces
-a bucket with one in-place SUM all-reduce of its own buffer and reads its row (measured faster
-than N ``reduce`` calls, one per row, and than the list ``reduce_scatter``), and gathers with N
+a CPU bucket with a reduce-scatter of its own made of point-to-point messages ([Note: p2p
+reduce-scatter] in p2p.py: (N-1)/N of the buffer per rank, 0.63x the time of an all-reduce of
+it), and otherwise (CUDA tensors on gloo, more than 16 ranks, ``SELZERO_GLOO_REDUCE=all_reduce``)
+with one in-place SUM all-reduce of its own buffer, reading its row (measured faster
+than N ``reduce`` calls, one per row, and than the list ``reduce_scatter``); it gathers with N
 asynchronous in-place broadcasts, row r from rank r: each rank receives and sends (N-1)/N of the
 buffer, the all-gather's bytes, and every bit (-0.0, NaN payloads) arrives unchanged (67 MB on 2
 ranks: 22 ms, against 54-57 ms for the bitwise-OR all-reduce of a zeroed buffer used before and
-100 ms for gloo's all-gather). Results equal gloo's own collectives (which sum the same way). On NCCL the real reduce-scatter and an in-place
-all-gather run (no extra memory either). Buckets under whole-tensor ownership have uneven rows
-([Note: whole-tensor layout] in ownership.py): gloo runs them the same way (the all-reduce of the
-whole buffer, one broadcast per non-empty row); NCCL runs torch's ``reduce_scatter`` and
+100 ms for gloo's all-gather). Results equal gloo's own collectives up to the order of the sum
+(bitwise at N = 2). On NCCL the real reduce-scatter and an in-place all-gather run (no extra
+memory either). Buckets under whole-tensor ownership have uneven rows ([Note: whole-tensor
+layout] in ownership.py): gloo runs them the same way (each row's pieces to its owner, or the
+all-reduce of the whole buffer; one broadcast per non-empty row); NCCL runs torch's ``reduce_scatter`` and
 ``all_gather`` with lists of unequal tensors, which ProcessGroupNCCL implements as one reduce
 (one broadcast) per owner inside a coalesced group.
 
@@ -84,6 +88,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..errors import CollectiveError, UsageError
+from . import p2p
 
 __all__ = ["Communicator", "Work", "RowWork", "group_ranks", "shared_group"]
 
@@ -275,6 +280,12 @@ class Communicator:
         self.what = ""  # set by callers around a phase (e.g. "bucket 3 reduce-scatter")
         # works already waited for, kept so that no worker thread destroys them
         self.retired: collections.deque[Any] = collections.deque(maxlen=_RETAINED)
+        # [Note: p2p reduce-scatter]: the reduction's driver, its receive temporary, its tags
+        self.p2p = emulate and device.type == "cpu" and 2 <= size <= p2p.MAX_P2P_WORLD and \
+            p2p.chosen() == "p2p"
+        self._driver: p2p.Driver | None = None
+        self._p2p_temp = torch.empty(0)
+        self._p2p_tag = 0
         if group is not None:  # and the program's own: [Note: gloo teardown] in process_exit.py
             grace_at_exit()
 
@@ -344,6 +355,35 @@ class Communicator:
 
     # ---- bucket collectives (rank-major buffers of N rows) ----------------------------------
 
+    def reserve_reduce_scratch(self, buffer_numel: int) -> int:
+        """Allocate now, on this thread, the receive temporary that reductions of buffers of up
+        to ``buffer_numel`` elements need ([Note: p2p reduce-scatter]); returns its bytes
+        (0 where reductions need none)."""
+        if not self.p2p or buffer_numel == 0:
+            return 0
+        self._p2p_scratch(buffer_numel)
+        return self._p2p_temp.numel() * 4
+
+    def _p2p_scratch(self, buffer_numel: int) -> torch.Tensor:
+        need = p2p.temp_numel(buffer_numel, self.size)
+        if self._p2p_temp.numel() < need:  # a reduction in flight keeps the one it has
+            self._p2p_temp = torch.empty(need, dtype=torch.float32, device=self.device)
+        return self._p2p_temp
+
+    def _reduce_p2p(self, buffer: torch.Tensor, rows: tuple[int, ...] | None) -> RowWork:
+        piece = p2p.piece_numel(buffer.numel(), self.size)
+        temp = self._p2p_scratch(buffer.numel())[:p2p.temp_numel(buffer.numel(), self.size)]
+        parts = self._rows(buffer, rows)
+        tag = self._p2p_tag
+        pieces = max(-(-part.numel() // piece) for part in parts)
+        self._p2p_tag = (tag + pieces) % p2p.TAG_SPACE
+        job = p2p.P2PReduceScatter(self.group, self.rank, parts,
+                                   temp.view(self.size - 1, p2p.SLOTS, piece), tag, piece)
+        if self._driver is None:
+            self._driver = p2p.Driver(f"selzero-reduce-{self.label}")
+        self._driver.submit(job)
+        return _Guarded(job, self, "reduce_scatter", buffer)
+
     def reduce_scatter_rows(self, buffer: torch.Tensor,
                             rows: tuple[int, ...] | None = None) -> RowWork:
         """Launch the SUM reduction of ``buffer`` (N rank-major rows; ``rows``: their uneven
@@ -353,6 +393,8 @@ class Communicator:
         mine = self._row(buffer, rows, self.rank)
         if self.size == 1:
             return _Done(mine)
+        if self.p2p and buffer.dtype == torch.float32:
+            return self._reduce_p2p(buffer, rows)
         if self.emulate:
             return _Rows(self._async("reduce_scatter", buffer, lambda: dist.all_reduce(
                 buffer, group=self.group, async_op=True)), mine)

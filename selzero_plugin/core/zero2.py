@@ -34,6 +34,7 @@ from ..errors import (CheckpointError, ConfigError, NonFiniteGradientError,
 from .binding import KINDS, REPLACED, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator, group_ranks
+from . import p2p
 from .contract import Field, agree_on_local_errors, check_contract
 from .experts import index_experts
 from .flat_step import FlatStep
@@ -152,6 +153,7 @@ class SelectedZero2:
     def _build_local(self, ranks: list[int], optimizer: Any, kwargs: dict[str, Any]) -> None:
         """Selection, layout, units, optimizer plan: local work that may fail on one rank only."""
         config = self.config
+        p2p.chosen(strict=True)  # SELZERO_GLOO_REDUCE ([Note: p2p reduce-scatter])
         entries = resolve_selection(self.model, params=list(config.params),
                                     modules=list(config.modules), expert_dim=config.expert_dim)
         for e in entries:
@@ -238,6 +240,7 @@ class SelectedZero2:
     def _contract_fields(self) -> list[Field]:
         fields: list[Field] = [(f"config.{k}", v) for k, v in self.config.to_dict().items()]
         fields.append(("group.size", self.comm.size))
+        fields.append(("env.SELZERO_GLOO_REDUCE", p2p.chosen()))  # one way on every rank
         for i, e in enumerate(self.entries):
             fields.append((f"selected[{i}]", {
                 "name": e.name, "aliases": list(e.aliases), "shape": list(e.param.shape),
