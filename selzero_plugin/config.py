@@ -30,6 +30,7 @@ PARTITIONS = ("chunks", "tensors")
 ENV_PREFIX = "SELZERO_"
 ENV_CONFIG_FILE = "SELZERO_CONFIG"
 ENV_LOG_LEVEL = "SELZERO_LOG_LEVEL"  # selzero_plugin/log.py, not a field
+ENV_GLOO_REDUCE = "SELZERO_GLOO_REDUCE"  # core/p2p.py ([Note: p2p reduce-scatter]), not a field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +143,8 @@ class SelZeroConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         env_names = [ENV_PREFIX + n.upper() for n in fields] + [ENV_CONFIG_FILE]
         for var, raw in env.items():
-            if not var.startswith(ENV_PREFIX) or var in (ENV_CONFIG_FILE, ENV_LOG_LEVEL):
+            if not var.startswith(ENV_PREFIX) or \
+                    var in (ENV_CONFIG_FILE, ENV_LOG_LEVEL, ENV_GLOO_REDUCE):
                 continue
             name = var[len(ENV_PREFIX):].lower()
             if name not in fields:  # another tool's variable, or a typo: say so, go on

@@ -140,6 +140,18 @@ def test_an_unknown_selzero_variable_warns_naming_the_closest_and_is_ignored():
     assert c == SelZeroConfig(params=["x"])
 
 
+def test_selzeros_own_variables_that_are_not_fields_pass_without_a_warning():
+    """SELZERO_LOG_LEVEL and SELZERO_GLOO_REDUCE are read elsewhere (the logger, the gloo
+    reduction): no warning at a launch that sets them."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = SelZeroConfig.from_env({"SELZERO_PARAMS": '["x"]', "SELZERO_LOG_LEVEL": "INFO",
+                                    "SELZERO_GLOO_REDUCE": "all_reduce"})
+    assert c == SelZeroConfig(params=["x"])
+
+
 @pytest.mark.parametrize("name, text, expected", [
     ("bad.yaml", "params: [*.experts.*\nbucket_mb: 3\n", "is not valid YAML at line 1"),
     ("bad.json", '{"params": ["x"],}', "is not valid JSON"),

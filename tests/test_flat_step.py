@@ -138,3 +138,60 @@ def test_parameters_that_are_views_of_one_vector_train_like_separate_ones(world,
     views = all_values(run_ranks(_one_vector_run, world, flat, True, timeout=120))
     for a, b in zip(separate, views):
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _fused_run(rank: int, world: int, flat: bool, opt_name: str) -> dict:
+    """Fused experts (one tensor per weight, expert_dim=0), fp32: the chunks of consecutive
+    experts lie at equal distances in the tensor and are stepped in place as one 2-D view
+    ([Note: flat step], strided runs). Routing differs by rank and leaves experts unrouted."""
+    from torch import nn
+
+    from selzero_plugin import SelectedZero2, SelZeroConfig
+    from selzero_plugin.core import flat_step
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 6
+            self.w1 = nn.Parameter(torch.randn(6, 5, 7) / 3)
+            self.w2 = nn.Parameter(torch.randn(6, 7, 5) / 3)
+
+        def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+            h = torch.bmm(x.unsqueeze(1), self.w1[routes]).relu()
+            return torch.bmm(h, self.w2[routes]).squeeze(1)
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"experts": Fused()})
+    cls, kwargs = OPTIMIZERS[opt_name]
+    flat_step.ENABLED = flat
+    try:
+        sz = SelectedZero2(model, SelZeroConfig(params=["experts.*"], expert_dim=0, name="f"),
+                           cls, kwargs)
+    finally:
+        flat_step.ENABLED = True
+    strided = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x = torch.randn(5, 5, generator=g)
+        routes = torch.tensor([(k * (rank + 2) + step) % 5 for k in range(5)])  # expert 5: none
+        model["experts"](x, routes).pow(2).sum().backward()
+        sz.step()
+        strided.append(sz.flat_step.strided_last_step if flat else 0)
+    state = {k: {n: v.clone() for n, v in s.items() if isinstance(v, torch.Tensor)}
+             for k, s in sz.optimizer.state_dict()["state"].items()}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": state, "strided": strided}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("opt", ["AdamW", "SGD-nesterov", "Adagrad"])
+def test_fused_experts_step_in_place_as_strided_runs_bitwise(world, opt):
+    """The strided runs (no copy into a scratch) train bitwise like the per-segment step."""
+    flat = all_values(run_ranks(_fused_run, world, True, opt, timeout=120))
+    per_segment = all_values(run_ranks(_fused_run, world, False, opt, timeout=120))
+    for a, b in zip(flat, per_segment):
+        assert all(s > 0 for s in a["strided"][1:]), a["strided"]  # the path under test ran
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        assert a["state"].keys() == b["state"].keys()
+        for k in a["state"]:
+            assert all(torch.equal(a["state"][k][n], b["state"][k][n]) for n in a["state"][k])

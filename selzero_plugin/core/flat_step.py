@@ -16,7 +16,11 @@ optimizer as one 1-D tensor, a *run*:
   segment views the parameter itself: a run of one fp32 segment (a segment of at least
   ``RUN_NUMEL`` elements, or one that joins no neighbour) is that segment, stepped in place,
   and the segments of a longer fp32 run are copied into a scratch (packed) before the update
-  and back after it, one foreach copy each way. [Note: scratch bound]: the scratch holds at
+  and back after it, one foreach copy each way, unless they lie at equal distances in one
+  storage (*strided runs*: the chunks of consecutive experts of a fused tensor, each expert's
+  chunk at the same place in its expert): such a run is stepped in place as one 2-D view
+  ``(segments, chunk)`` of the parameter, its gradient and state viewed in that shape (no copy;
+  elementwise results are the same per element). [Note: scratch bound]: the scratch holds at
   most one bucket block of elements (``scratch_numel``: the largest bucket's buffer) and is
   the buffer pool's idle block (on the CPU the pool keeps two; none is in use during the
   step), so the step allocates nothing new and its transient memory stays within ZeRO-2's
@@ -142,6 +146,7 @@ class FlatStep:
         self.flat: dict[tuple[int, str], torch.Tensor] = {}
         self.public: list[dict[str, Any] | None] = [None] * self.n
         self.runs_last_step = 0
+        self.strided_last_step = 0  # of them, strided runs stepped in place
         self.numel_of_slot = [s.numel for s in slots]
         self.run_numel = RUN_NUMEL
         self._slots_of_group = {g: torch.tensor([i for i in range(self.n)
@@ -153,6 +158,8 @@ class FlatStep:
                                              list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._grads_clear = False
         self._held: list[tuple[tuple[str, torch.Tensor], ...]] = [()] * self.n
+        # strided runs: per storage generation, each slot's (storage, offset, numel)
+        self._places: tuple[int, list[tuple[int, int, int]]] = (-1, [])
 
     # ---- eligibility -----------------------------------------------------------------------
 
@@ -225,6 +232,7 @@ class FlatStep:
                 self.eligible_slot
             runs = self._runs(stepping)
             self.runs_last_step = len(runs)
+            self.strided_last_step = 0
             for batch in self._batches(runs):  # [Note: scratch bound]
                 scratch, values = self._copy_in(batch)
                 try:
@@ -268,8 +276,28 @@ class FlatStep:
         return out
 
     def _scratch_run(self, run: tuple[int, int]) -> bool:
-        """Does ``run`` step through the scratch (several fp32 segments)?"""
-        return run[1] - run[0] > 1 and not self.is_master[run[0]]
+        """Does ``run`` step through the scratch (several fp32 segments, not strided)?"""
+        return run[1] - run[0] > 1 and not self.is_master[run[0]] and \
+            self._stride(run) is None
+
+    def _stride(self, run: tuple[int, int]) -> int | None:
+        """The distance in elements between consecutive segments of fp32 ``run`` when they all
+        have one size and lie at that one distance in one storage (a strided run), else None."""
+        a, b = run
+        generation = self.storage.generation
+        if self._places[0] != generation:
+            self._places = (generation, [(seg.untyped_storage().data_ptr(), seg.storage_offset(),
+                                          seg.numel()) for seg in self.storage.segments])
+        places = self._places[1]
+        storage, first, numel = places[a]
+        stride = places[a + 1][1] - first
+        if stride < numel:
+            return None
+        for i in range(a + 1, b):
+            p = places[i]
+            if p[0] != storage or p[2] != numel or p[1] != first + (i - a) * stride:
+                return None
+        return stride
 
     def _batches(self, runs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """The runs in order, cut into batches whose scratch runs hold at most
@@ -323,6 +351,12 @@ class FlatStep:
                     for j, view in zip(js, views):
                         states[j][key] = view
                     scalars.append((g, key, js, views))
+        for j, value in enumerate(values):
+            if value.dim() == 2:  # a strided run: its gradient and state in its shape
+                grads[j] = grads[j].view(value.shape)
+                for key, view in states[j].items():
+                    if view.numel() == numels[j] and numels[j] > 1:
+                        states[j][key] = view.view(value.shape)
         passed = [dict(st) for st in states]
         params_of: list[list[torch.Tensor]] = [[] for _ in groups]
         run_states: dict[int, defaultdict[Any, dict[str, Any]]] = {
@@ -363,6 +397,13 @@ class FlatStep:
         storage = self.storage
         segments = storage.segments  # 1-D under chunks, like the scratch views
         values: list[torch.Tensor] = [segments[a] for a, _ in runs]  # one fp32 segment: itself
+        for j, (a, b) in enumerate(runs):
+            if b - a > 1 and not self.is_master[a]:
+                stride = self._stride((a, b))
+                if stride is not None:  # a strided run: a 2-D view of the parameter, in place
+                    values[j] = segments[a].detach().as_strided(
+                        (b - a, self.numel_of_slot[a]), (stride, 1))
+                    self.strided_last_step += 1
         masters = [j for j, (a, _) in enumerate(runs) if self.is_master[a]]
         for j, view in zip(masters, _pieces(storage.master_flat, [
                 (self.value_off[runs[j][0]], self.value_off[runs[j][1] - 1] +
@@ -528,14 +569,14 @@ class FlatStep:
             if passed[j]:
                 for key, view in passed[j].items():
                     if keys[key] == "elementwise" and after[j][key] is not view:
-                        view.copy_(after[j][key].detach().view(-1))
+                        view.copy_(after[j][key].detach().reshape(view.shape))
                 continue
             off = self.state_off[a]
             for key, kind in keys.items():  # the run's first state: made by the optimizer
                 value = after[j][key].detach()
                 buf = self._buffer(g, key, kind, value)
                 if kind == "elementwise":
-                    buf[off:off + numels[j]].copy_(value.view(-1))
+                    buf[off:off + numels[j]].copy_(value.reshape(-1))
                 else:
                     buf[self.pos[a]:self.pos[b - 1] + 1].fill_(value)
             state = self.seg_opt.members[m].state
@@ -556,7 +597,7 @@ class FlatStep:
             own: dict[str, Any] = {}
             for key, value in after.items():
                 if isinstance(value, torch.Tensor) and value.numel() == numel and numel > 1:
-                    own[key] = value.detach().view(-1)[at:at + s.numel].clone().view(shape)
+                    own[key] = value.detach().reshape(-1)[at:at + s.numel].clone().view(shape)
                 elif isinstance(value, torch.Tensor):
                     own[key] = value.detach().clone()
                 else:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ..config import ENV_GLOO_REDUCE
 from ..errors import UsageError
 
 __all__ = ["Driver", "P2PReduceScatter", "SLOTS", "MAX_P2P_WORLD", "piece_numel", "temp_numel"]
@@ -63,7 +64,7 @@ MAX_P2P_WORLD = 16  # beyond: more than 16 pieces per row; the all-reduce stays
 TAG_SPACE = 1 << 30  # tags wrap around below int32's limit (gloo matches per tag in order)
 
 
-ENV = "SELZERO_GLOO_REDUCE"  # "p2p" (the default) or "all_reduce": the way back
+ENV = ENV_GLOO_REDUCE  # "p2p" (the default) or "all_reduce": the way back
 
 
 def chosen(*, strict: bool = False) -> str:
