@@ -81,6 +81,7 @@ import hashlib
 import os
 import threading
 import time
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -379,8 +380,9 @@ class Communicator:
         self._p2p_tag = (tag + pieces) % p2p.TAG_SPACE
         job = p2p.P2PReduceScatter(self.group, self.rank, parts,
                                    temp.view(self.size - 1, p2p.SLOTS, piece), tag, piece)
-        if self._driver is None:
+        if self._driver is None or not self._driver.alive():
             self._driver = p2p.Driver(f"selzero-reduce-{self.label}")
+            weakref.finalize(self, self._driver.close)  # the thread ends with this communicator
         self._driver.submit(job)
         return _Guarded(job, self, "reduce_scatter", buffer)
 

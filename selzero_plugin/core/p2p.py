@@ -36,19 +36,22 @@ without the GIL).
 Failures: a peer that died or stalled fails the driver's ``wait`` of a piece ("Connection closed
 by peer" at once, a timeout after the group's ``timeout_s``); the driver keeps the error and the
 training thread's ``wait()`` raises it as the communicator's CollectiveError ([Note: failed
-collectives] in comm.py). At interpreter exit the drivers are stopped (``stop_all``) before the
-interpreter finalizes, so no Python thread is left to resume inside torch at shutdown ([Note:
-work objects at exit]); a driver still blocked in a collective of a failed job is left behind
-after a short join (the job has failed already).
+collectives] in comm.py). A driver is not a daemon thread: the interpreter's shutdown waits for
+its reductions (bounded by ``timeout_s``) before it finalizes, so no Python thread resumes inside
+torch at shutdown ([Note: work objects at exit]; ``Driver``). A rank whose backward raised and
+that exits therefore leaves once its peers have launched the reductions it launched, or failed.
+
+The GIL: the driver takes it for a few microseconds per piece. While the training thread runs
+Python for long stretches (a Python autograd Function's backward) a piece can wait for it
+(``sys.getswitchinterval()``, 5 ms); in a backward of torch's own ops it is released most of the
+time (measured: no difference in step time beside the all-reduce on a small-expert model).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import queue
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -157,39 +160,50 @@ class P2PReduceScatter:
         return self._done.is_set()
 
 
-_DRIVERS: "weakref.WeakSet[Driver]" = weakref.WeakSet()
+IDLE_POLL_S = 0.05  # how often an idle driver checks that the main thread still runs
 
 
 class Driver:
-    """A daemon thread that runs one communicator's point-to-point reductions in order."""
+    """A thread that runs one communicator's point-to-point reductions in order.
+
+    Not a daemon: a Python thread that resumes inside torch while the interpreter finalizes is
+    killed there (SIGABRT, "terminate called without an active exception": review finding, a
+    rank whose backward raised and whose driver still waited for a peer's pieces at exit). So
+    the interpreter's shutdown joins it like any thread of the program, before it finalizes:
+    an idle driver ends within ``IDLE_POLL_S`` of the main thread's end, a busy one when its
+    reductions are done or failed (each wait is bounded by the group's ``timeout_s``, and a
+    connection that failed fails the later waits at once). ``close()`` ends it with its
+    communicator (``weakref.finalize``)."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[P2PReduceScatter | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=_loop, args=(self._queue,), name=name,
+                                        daemon=False)
         self._thread.start()
-        _DRIVERS.add(self)
+
+    def alive(self) -> bool:
+        """False in a forked child (threads do not survive a fork) and once it ended."""
+        return self._thread.is_alive()
 
     def submit(self, job: P2PReduceScatter) -> None:
         self._queue.put(job)
 
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
+    def close(self) -> None:
+        """End the thread after the reductions already submitted (no wait here)."""
+        self._queue.put(None)
+
+
+def _loop(jobs: "queue.SimpleQueue[P2PReduceScatter | None]") -> None:
+    """The driver thread: holds its queue only, so its Driver and communicator can go."""
+    main = threading.main_thread()
+    while True:
+        try:
+            job = jobs.get(timeout=IDLE_POLL_S)
+        except queue.Empty:
+            if not main.is_alive():  # the program ended: the interpreter joins this thread
                 return
-            job.run()
-            del job  # hold nothing between jobs
-
-    def stop(self, timeout_s: float = 1.0) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout_s)
-
-
-def stop_all() -> None:
-    """Stop every driver of this process (at interpreter exit)."""
-    for driver in list(_DRIVERS):
-        driver.stop()
-
-
-atexit.register(stop_all)
+            continue
+        if job is None:
+            return
+        job.run()
+        del job  # hold nothing between jobs
