@@ -157,9 +157,10 @@ def test_ranks_that_reduce_differently_are_refused_on_every_rank() -> None:
         assert "SELZERO_GLOO_REDUCE" in message, message
 
 
-def _launch_pair(env: dict[str, str]) -> list[subprocess.CompletedProcess]:
+def _launch_pair(env: dict[str, str], script: str = "_p2p_exit_script.py"
+                 ) -> list[subprocess.CompletedProcess]:
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_p2p_exit_script.py")],
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / script)],
                               env={**os.environ, **env, "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": port, "RANK": str(r), "WORLD_SIZE": "2",
                                    "OMP_NUM_THREADS": "1"},
@@ -213,3 +214,30 @@ def test_the_driver_thread_ends_with_its_communicator() -> None:
     last reference go)."""
     for counts in all_values(run_ranks(_driver_ends, 2, timeout=120)):
         assert counts == [0, 0, 0], counts
+
+
+def _train_in_a_thread(rank: int, world: int) -> bool:
+    """The main thread waits while another thread reduces, past the driver's idle poll."""
+    comm = Communicator.create(list(range(world)), timeout_s=30, device=torch.device("cpu"))
+    results = []
+
+    def train() -> None:
+        for step in range(3):
+            time.sleep(3 * p2p.IDLE_POLL_S)  # the driver idles between reductions
+            row = comm.reduce_scatter_rows(torch.full((world * 10,), float(step))).wait()
+            results.append(bool(torch.equal(row, torch.full((10,), float(step * world)))))
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    return results == [True] * 3
+
+
+def test_reductions_launched_from_another_thread() -> None:
+    assert all(all_values(run_ranks(_train_in_a_thread, 2, timeout=60)))
+
+
+def test_a_driver_serves_a_training_thread_after_the_main_thread_ended() -> None:
+    for rank in _launch_pair({}, "_p2p_thread_script.py"):
+        assert rank.returncode == 0 and rank.stdout.strip() == "ok", (rank.returncode,
+                                                                      rank.stderr[-2000:])

@@ -381,7 +381,7 @@ class Communicator:
         job = p2p.P2PReduceScatter(self.group, self.rank, parts,
                                    temp.view(self.size - 1, p2p.SLOTS, piece), tag, piece)
         if self._driver is None or not self._driver.alive():
-            self._driver = p2p.Driver(f"selzero-reduce-{self.label}")
+            self._driver = p2p.Driver(f"{p2p.DRIVER_PREFIX}-{self.label}")
             weakref.finalize(self, self._driver.close)  # the thread ends with this communicator
         self._driver.submit(job)
         return _Guarded(job, self, "reduce_scatter", buffer)

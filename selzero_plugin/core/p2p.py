@@ -161,6 +161,7 @@ class P2PReduceScatter:
 
 
 IDLE_POLL_S = 0.05  # how often an idle driver checks that the main thread still runs
+DRIVER_PREFIX = "selzero-reduce"  # the drivers' thread names
 
 
 class Driver:
@@ -170,7 +171,8 @@ class Driver:
     killed there (SIGABRT, "terminate called without an active exception": review finding, a
     rank whose backward raised and whose driver still waited for a peer's pieces at exit). So
     the interpreter's shutdown joins it like any thread of the program, before it finalizes:
-    an idle driver ends within ``IDLE_POLL_S`` of the main thread's end, a busy one when its
+    an idle driver ends within ``IDLE_POLL_S`` of the program's end (the main thread's, and that of
+any other thread of the program that is not a daemon), a busy one when its
     reductions are done or failed (each wait is bounded by the group's ``timeout_s``, and a
     connection that failed fails the later waits at once). ``close()`` ends it with its
     communicator (``weakref.finalize``)."""
@@ -193,6 +195,13 @@ class Driver:
         self._queue.put(None)
 
 
+def _program_threads() -> bool:
+    """Does a thread of the program other than the main one still run (one that may still
+    launch reductions: training in a thread of its own)?"""
+    return any(t.is_alive() and not t.daemon and t is not threading.main_thread() and
+               not t.name.startswith(DRIVER_PREFIX) for t in threading.enumerate())
+
+
 def _loop(jobs: "queue.SimpleQueue[P2PReduceScatter | None]") -> None:
     """The driver thread: holds its queue only, so its Driver and communicator can go."""
     main = threading.main_thread()
@@ -200,8 +209,8 @@ def _loop(jobs: "queue.SimpleQueue[P2PReduceScatter | None]") -> None:
         try:
             job = jobs.get(timeout=IDLE_POLL_S)
         except queue.Empty:
-            if not main.is_alive():  # the program ended: the interpreter joins this thread
-                return
+            if not main.is_alive() and not _program_threads():  # the program ended: the
+                return  # interpreter's shutdown joins this thread; nothing can submit now
             continue
         if job is None:
             return
