@@ -114,7 +114,8 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "state": {k: {n: v.detach().clone() for n, v in s.items()}
                           for k, s in sz.optimizer.state_dict()["state"].items()},
-                "updated": result.updated})
+                "updated": result.updated,
+                "runs": sz.flat_step.runs_last_step if sz.flat_step is not None else -1})
     return {"snaps": snaps, "tensors_per_step": seen, "raised": raised, "segments": len(sz.segments),
             "memory": sz.memory_report(),
             "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)

@@ -76,6 +76,9 @@ def test_flat_step_under_a_users_changes_to_state_and_hyperparameters(opt, twist
         _same(out["flat"], out["segments"])
         if twist == "posthook":
             assert out["flat"]["raised"] == out["segments"]["raised"] == [2]
+        if twist == "momentum":  # the flat path ends after step 2's update; its counter says
+            runs = [s["runs"] for s in out["flat"]["snaps"]]  # so from then on (review finding)
+            assert runs[0] > 0 and runs[3:] == [0] * (len(runs) - 3), runs
         if twist == "bound":  # [Note: scratch bound]: batches, each of runs
             flat = out["flat"]
             assert len(flat["tensors_per_step"]) > len(flat["snaps"]), flat["tensors_per_step"]
@@ -140,7 +143,7 @@ def test_parameters_that_are_views_of_one_vector_train_like_separate_ones(world,
         assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def _fused_run(rank: int, world: int, flat: bool, opt_name: str) -> dict:
+def _fused_run(rank: int, world: int, flat: bool, opt_name: str, hook: bool = False) -> dict:
     """Fused experts (one tensor per weight, expert_dim=0), fp32: the chunks of consecutive
     experts lie at equal distances in the tensor and are stepped in place as one 2-D view
     ([Note: flat step], strided runs). Routing differs by rank and leaves experts unrouted."""
@@ -169,6 +172,10 @@ def _fused_run(rank: int, world: int, flat: bool, opt_name: str) -> dict:
                            cls, kwargs)
     finally:
         flat_step.ENABLED = True
+    if hook:  # a user's step hook that flattens what it is given (runs, under the flat step)
+        sz.optimizer.register_step_post_hook(lambda opt, args, kwargs: torch.nn.utils.
+                                             parameters_to_vector([p for g in opt.param_groups
+                                                                   for p in g["params"]]))
     strided = []
     for step in range(4):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -195,3 +202,15 @@ def test_fused_experts_step_in_place_as_strided_runs_bitwise(world, opt):
         assert a["state"].keys() == b["state"].keys()
         for k in a["state"]:
             assert all(torch.equal(a["state"][k][n], b["state"][k][n]) for n in a["state"][k])
+
+
+@pytest.mark.parametrize("world", [2])
+def test_step_hooks_see_contiguous_runs(world):
+    """Review finding: a step hook that flattens its parameters (parameters_to_vector) failed
+    on the strided runs' 2-D views; while step hooks are registered the runs are not strided
+    (copied through the scratch, as before), and the result is the same."""
+    hooked = all_values(run_ranks(_fused_run, world, True, "AdamW", True, timeout=120))
+    per_segment = all_values(run_ranks(_fused_run, world, False, "AdamW", timeout=120))
+    for a, b in zip(hooked, per_segment):
+        assert a["strided"] == [0, 0, 0, 0], a["strided"]
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])

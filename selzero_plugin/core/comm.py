@@ -380,10 +380,10 @@ class Communicator:
         self._p2p_tag = (tag + pieces) % p2p.TAG_SPACE
         job = p2p.P2PReduceScatter(self.group, self.rank, parts,
                                    temp.view(self.size - 1, p2p.SLOTS, piece), tag, piece)
-        if self._driver is None or not self._driver.alive():
-            self._driver = p2p.Driver(f"{p2p.DRIVER_PREFIX}-{self.label}")
+        if self._driver is None or not self._driver.submit(job):  # none yet, or closed
+            self._driver = p2p.Driver(f"{p2p.DRIVER_PREFIX}-{self.label}", self.timeout_s)
             weakref.finalize(self, self._driver.close)  # the thread ends with this communicator
-        self._driver.submit(job)
+            self._driver.submit(job)
         return _Guarded(job, self, "reduce_scatter", buffer)
 
     def reduce_scatter_rows(self, buffer: torch.Tensor,

@@ -20,7 +20,8 @@ optimizer as one 1-D tensor, a *run*:
   storage (*strided runs*: the chunks of consecutive experts of a fused tensor, each expert's
   chunk at the same place in its expert): such a run is stepped in place as one 2-D view
   ``(segments, chunk)`` of the parameter, its gradient and state viewed in that shape (no copy;
-  elementwise results are the same per element). [Note: scratch bound]: the scratch holds at
+  elementwise results are the same per element; not while step hooks are registered, which see
+  the runs and may flatten them). [Note: scratch bound]: the scratch holds at
   most one bucket block of elements (``scratch_numel``: the largest bucket's buffer) and is
   the buffer pool's idle block (on the CPU the pool keeps two; none is in use during the
   step), so the step allocates nothing new and its transient memory stays within ZeRO-2's
@@ -147,6 +148,7 @@ class FlatStep:
         self.public: list[dict[str, Any] | None] = [None] * self.n
         self.runs_last_step = 0
         self.strided_last_step = 0  # of them, strided runs stepped in place
+        self._strided_ok = True  # no step hooks at this step (``_step_hooks``)
         self.numel_of_slot = [s.numel for s in slots]
         self.run_numel = RUN_NUMEL
         self._slots_of_group = {g: torch.tensor([i for i in range(self.n)
@@ -213,6 +215,8 @@ class FlatStep:
         """One update of every segment whose virtual parameter ``update`` marks."""
         storage = self.storage
         members = self.seg_opt.members
+        self.runs_last_step = self.strided_last_step = 0
+        self._strided_ok = not self._step_hooks()
         with torch.no_grad():
             for m, member in enumerate(members):
                 if self.on[m]:
@@ -232,7 +236,6 @@ class FlatStep:
                 self.eligible_slot
             runs = self._runs(stepping)
             self.runs_last_step = len(runs)
-            self.strided_last_step = 0
             for batch in self._batches(runs):  # [Note: scratch bound]
                 scratch, values = self._copy_in(batch)
                 try:
@@ -280,9 +283,25 @@ class FlatStep:
         return run[1] - run[0] > 1 and not self.is_master[run[0]] and \
             self._stride(run) is None
 
+    def _step_hooks(self) -> bool:
+        """Are step hooks registered (torch's global ones, or on the optimizers)? They see the
+        runs, and a hook may flatten its parameters (``parameters_to_vector``): strided runs
+        (2-D, not contiguous) are then not used (review finding)."""
+        from torch.optim import optimizer as torch_optimizer
+
+        if torch_optimizer._global_optimizer_pre_hooks or \
+                torch_optimizer._global_optimizer_post_hooks:
+            return True
+        return any(getattr(o, "_optimizer_step_pre_hooks", None) or
+                   getattr(o, "_optimizer_step_post_hooks", None)
+                   for o in (self.seg_opt.optimizer, *self.seg_opt.members))
+
     def _stride(self, run: tuple[int, int]) -> int | None:
         """The distance in elements between consecutive segments of fp32 ``run`` when they all
-        have one size and lie at that one distance in one storage (a strided run), else None."""
+        have one size and lie at that one distance in one storage (a strided run), else None
+        (also while step hooks are registered: ``_step_hooks``)."""
+        if not self._strided_ok:
+            return None
         a, b = run
         generation = self.storage.generation
         if self._places[0] != generation:

@@ -36,8 +36,8 @@ without the GIL).
 Failures: a peer that died or stalled fails the driver's ``wait`` of a piece ("Connection closed
 by peer" at once, a timeout after the group's ``timeout_s``); the driver keeps the error and the
 training thread's ``wait()`` raises it as the communicator's CollectiveError ([Note: failed
-collectives] in comm.py). A driver is not a daemon thread: the interpreter's shutdown waits for
-its reductions (bounded by ``timeout_s``) before it finalizes, so no Python thread resumes inside
+collectives] in comm.py). At interpreter exit selzero waits for every driver's reductions
+(bounded by ``timeout_s``) before the interpreter finalizes, so no Python thread resumes inside
 torch at shutdown ([Note: work objects at exit]; ``Driver``). A rank whose backward raised and
 that exits therefore leaves once its peers have launched the reductions it launched, or failed.
 
@@ -49,6 +49,7 @@ time (measured: no difference in step time beside the all-reduce on a small-expe
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -160,58 +161,83 @@ class P2PReduceScatter:
         return self._done.is_set()
 
 
-IDLE_POLL_S = 0.05  # how often an idle driver checks that the main thread still runs
 DRIVER_PREFIX = "selzero-reduce"  # the drivers' thread names
+EXIT_JOIN_S = 30.0  # at exit, a driver's wait beyond its group's 2 x timeout_s
+
+
+class _Channel:
+    """A driver's queue and whether it still takes jobs (shared with its thread, which holds
+    nothing else: the Driver and its communicator can go)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[P2PReduceScatter | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.open = True
 
 
 class Driver:
-    """A thread that runs one communicator's point-to-point reductions in order.
+    """A daemon thread that runs one communicator's point-to-point reductions in order.
 
-    Not a daemon: a Python thread that resumes inside torch while the interpreter finalizes is
-    killed there (SIGABRT, "terminate called without an active exception": review finding, a
-    rank whose backward raised and whose driver still waited for a peer's pieces at exit). So
-    the interpreter's shutdown joins it like any thread of the program, before it finalizes:
-    an idle driver ends within ``IDLE_POLL_S`` of the program's end (the main thread's, and that of
-any other thread of the program that is not a daemon), a busy one when its
-    reductions are done or failed (each wait is bounded by the group's ``timeout_s``, and a
-    connection that failed fails the later waits at once). ``close()`` ends it with its
-    communicator (``weakref.finalize``)."""
+    At interpreter exit (``finish_all``, an atexit hook registered at import, so it runs after
+    the program's own atexit hooks registered later) every driver is closed and joined until
+    its reductions are done or failed, before the interpreter finalizes: a Python thread that
+    resumes inside torch while the interpreter finalizes is killed there (SIGABRT, "terminate
+    called without an active exception": review finding, a rank whose backward raised and
+    whose driver still waited for a peer's pieces at exit). Each wait is bounded by the
+    group's ``timeout_s``, and a connection that failed fails the later waits at once; the join
+    gives up after 2 x ``timeout_s`` + ``EXIT_JOIN_S``. Until then a driver never ends by
+    itself (an idle one costs nothing: it blocks on its queue), so a reduction launched from a
+    thread that outlives the main thread, or from an atexit hook, always finds it. ``close()``
+    also ends it with its communicator (``weakref.finalize``)."""
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[P2PReduceScatter | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_loop, args=(self._queue,), name=name,
-                                        daemon=False)
+    def __init__(self, name: str, timeout_s: float | None) -> None:
+        self._channel = _Channel()
+        self._thread = threading.Thread(target=_loop, args=(self._channel,), name=name,
+                                        daemon=True)
         self._thread.start()
+        _RUNNING[:] = [entry for entry in _RUNNING if entry[0].is_alive()]
+        _RUNNING.append((self._thread, self._channel, timeout_s))
 
-    def alive(self) -> bool:
-        """False in a forked child (threads do not survive a fork) and once it ended."""
-        return self._thread.is_alive()
-
-    def submit(self, job: P2PReduceScatter) -> None:
-        self._queue.put(job)
+    def submit(self, job: P2PReduceScatter) -> bool:
+        """Queue ``job``; False when this driver no longer takes jobs (closed at exit, or its
+        thread is gone: a forked child) and the caller needs a new one."""
+        with self._channel.lock:
+            if not self._channel.open or not self._thread.is_alive():
+                return False
+            self._channel.jobs.put(job)
+            return True
 
     def close(self) -> None:
         """End the thread after the reductions already submitted (no wait here)."""
-        self._queue.put(None)
+        _close(self._channel)
 
 
-def _program_threads() -> bool:
-    """Does a thread of the program other than the main one still run (one that may still
-    launch reductions: training in a thread of its own)?"""
-    return any(t.is_alive() and not t.daemon and t is not threading.main_thread() and
-               not t.name.startswith(DRIVER_PREFIX) for t in threading.enumerate())
+def _close(channel: _Channel) -> None:
+    with channel.lock:
+        if channel.open:
+            channel.open = False
+            channel.jobs.put(None)
 
 
-def _loop(jobs: "queue.SimpleQueue[P2PReduceScatter | None]") -> None:
-    """The driver thread: holds its queue only, so its Driver and communicator can go."""
-    main = threading.main_thread()
+_RUNNING: list[tuple[threading.Thread, _Channel, float | None]] = []
+
+
+def finish_all() -> None:
+    """At interpreter exit: close every driver and wait for its reductions ([Note: p2p
+    reduce-scatter], ``Driver``)."""
+    while _RUNNING:
+        thread, channel, timeout_s = _RUNNING.pop()
+        _close(channel)
+        thread.join(2 * (timeout_s or 600.0) + EXIT_JOIN_S)
+
+
+atexit.register(finish_all)
+
+
+def _loop(channel: _Channel) -> None:
+    """The driver thread: its channel only."""
     while True:
-        try:
-            job = jobs.get(timeout=IDLE_POLL_S)
-        except queue.Empty:
-            if not main.is_alive() and not _program_threads():  # the program ended: the
-                return  # interpreter's shutdown joins this thread; nothing can submit now
-            continue
+        job = channel.jobs.get()
         if job is None:
             return
         job.run()
