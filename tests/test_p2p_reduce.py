@@ -234,13 +234,17 @@ def _train_in_a_thread(rank: int, world: int) -> bool:
 
 
 def test_reductions_launched_from_another_thread() -> None:
+    """A use the driver must serve (a check of the path; not watched failing)."""
     assert all(all_values(run_ranks(_train_in_a_thread, 2, timeout=60)))
 
 
 @pytest.mark.parametrize("mode", ["thread", "atexit"])
 def test_a_driver_serves_reductions_after_the_main_thread_ended(mode: str) -> None:
-    """Review finding: a driver that ended when idle after the main thread's end took a job
-    submitted in the same instant into its dead queue (an atexit hook's reduction hung)."""
+    """Reductions from a training thread that outlives the main thread and from an atexit hook
+    are served. (The review finding behind it, a driver that ended when idle after the main
+    thread's end and took a job submitted in that instant into its dead queue, needed hundreds
+    of reductions at the idle poll's period to show; this test passed on that code too: it
+    checks the paths work, not the race.)"""
     for rank in _launch_pair({"MODE": mode}, "_p2p_thread_script.py"):
         assert rank.returncode == 0 and rank.stdout.strip() == "ok", (rank.returncode,
                                                                       rank.stderr[-2000:])

@@ -149,6 +149,7 @@ class FlatStep:
         self.runs_last_step = 0
         self.strided_last_step = 0  # of them, strided runs stepped in place
         self._strided_ok = True  # no step hooks at this step (``_step_hooks``)
+        self._stride_of: dict[tuple[int, int], int | None] = {}  # this step's, per run
         self.numel_of_slot = [s.numel for s in slots]
         self.run_numel = RUN_NUMEL
         self._slots_of_group = {g: torch.tensor([i for i in range(self.n)
@@ -217,6 +218,7 @@ class FlatStep:
         members = self.seg_opt.members
         self.runs_last_step = self.strided_last_step = 0
         self._strided_ok = not self._step_hooks()
+        self._stride_of: dict[tuple[int, int], int | None] = {}  # this step's, per run
         with torch.no_grad():
             for m, member in enumerate(members):
                 if self.on[m]:
@@ -302,6 +304,11 @@ class FlatStep:
         (also while step hooks are registered: ``_step_hooks``)."""
         if not self._strided_ok:
             return None
+        if run not in self._stride_of:  # asked up to three times per run (batches, copy-in)
+            self._stride_of[run] = self._find_stride(run)
+        return self._stride_of[run]
+
+    def _find_stride(self, run: tuple[int, int]) -> int | None:
         a, b = run
         generation = self.storage.generation
         if self._places[0] != generation:
