@@ -7,8 +7,9 @@ is the same on every rank whatever the routing:
 
 - every reduced micro-step issues exactly one reduce-scatter per bucket, in bucket order;
 - bucket b is launched when the backward has passed every launch unit of its parameters
-  ([Note: launch units]), detected the FSDP2 way: the unit's forward inputs go through an
-  identity autograd function whose backward runs once the unit's input gradients are computed.
+  ([Note: launch units]), detected by a hook on the unit's forward inputs that runs once the
+  backward has computed all of their gradients ([Note: the all-gradients hook]; leaf inputs
+  first pass through an identity autograd function, to have a node).
   Units run on every rank, so every rank launches bucket b at the same point of its backward,
   relative to the host's collectives too. Missing gradients are zeros in the bucket buffer;
 - the end-of-backward callback launches what is left (units that cannot fire) and finishes every
@@ -86,6 +87,7 @@ from ..errors import MissingGradientError, NonFiniteGradientError, UsageError
 from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, STRAY_GRAD, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator
+from .grad_hooks import register_all_grads_hook
 from .layout import Layout
 from .outer_backward import CURRENT as OUTER
 from .selection import SelectedEntry
@@ -279,7 +281,7 @@ class ReductionWindow:
         accumulated first); the graph is not changed, so in-place ops on the inputs stay legal.
         A leaf input's node is a gradient accumulator, which runs as early as the unit's own, so
         leaves first pass through an identity (a leaf that requires grad takes no in-place op)."""
-        def passed(_grads: Any) -> None:
+        def passed() -> None:
             self._on_unit_passed(u)
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -304,7 +306,7 @@ class ReductionWindow:
                 for i, x in zip(leaves, _Identity.apply(*[flat[i] for i in leaves])):
                     flat[i] = x
             inputs = list({id(flat[i]): flat[i] for i in idx}.values())
-            torch.autograd.graph.register_multi_grad_hook(inputs, passed, mode="all")
+            register_all_grads_hook(inputs, passed)  # [Note: the all-gradients hook]
             return tree_unflatten(flat, spec) if leaves else None
         return hook
 
