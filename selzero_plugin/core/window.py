@@ -87,7 +87,7 @@ from ..errors import MissingGradientError, NonFiniteGradientError, UsageError
 from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, STRAY_GRAD, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator
-from .grad_hooks import register_all_grads_hook
+from .grad_hooks import InputNodes, register_all_grads_hook
 from .layout import Layout
 from .outer_backward import CURRENT as OUTER
 from .selection import SelectedEntry
@@ -243,6 +243,10 @@ class ReductionWindow:
         self.forward_ran: set[int] = set()  # units it ran at all
         self._probes: list[Any] = []
         self._hooks: list[Any] = []
+        # launch units' input nodes: of this model forward until its end, of recomputes until
+        # the backward ends ([Note: the all-gradients hook])
+        self._forward_nodes: list[InputNodes] = []
+        self._backward_nodes: list[InputNodes] = []
         self._reset()
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -306,13 +310,18 @@ class ReductionWindow:
                 for i, x in zip(leaves, _Identity.apply(*[flat[i] for i in leaves])):
                     flat[i] = x
             inputs = list({id(flat[i]): flat[i] for i in idx}.values())
-            register_all_grads_hook(inputs, passed)  # [Note: the all-gradients hook]
+            # the nodes live with the graph: in the model outputs' metadata, or until the
+            # backward this forward runs in ends ([Note: the all-gradients hook])
+            nodes = register_all_grads_hook(inputs, passed)
+            (self._forward_nodes if outside else self._backward_nodes).append(nodes)
             return tree_unflatten(flat, spec) if leaves else None
         return hook
 
     def _on_model_forward_start(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
             self._note_interrupted()  # local only: this forward may run on one rank alone
+            self._forward_nodes = []  # (a forward that raised, or gave no output to backward)
+            self._backward_nodes = []  # (a backward that raised)
             self.forward_counts = [0] * len(self.units.names)
             self.forward_unfirable = set()
             self.forward_ran = set()
@@ -324,6 +333,10 @@ class ReductionWindow:
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
+        nodes, self._forward_nodes = self._forward_nodes, []
+        for t in tensors:  # downstream of every unit input ([Note: the all-gradients hook])
+            if t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault("selzero_unit_inputs", []).extend(nodes)
         # What the backward through *these* outputs will meet: the unit forwards of this model
         # forward (a forward that is never backwarded counts for nothing), and the no_sync()
         # mode at forward time (as DDP decides it).
@@ -522,6 +535,7 @@ class ReductionWindow:
     def _backward_done(self) -> None:
         """End of the graph task the first hook of this backward ran in."""
         self.callback_queued = False
+        self._backward_nodes = []  # the recomputes of this backward have run theirs
         self.backward_sync = None
         self.tentative = False
         self.taking = False
