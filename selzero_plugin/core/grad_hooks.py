@@ -14,18 +14,23 @@ of 2,048 experts lost 1.7 MB of C heap per step (workload c of ``benchmarks/benc
 non-reentrant activation checkpoint's recompute registers hooks that never fire, on nodes
 holding recomputed activations.
 
-``register_all_grads_hook`` keeps torch's rule and breaks the cycle: the nodes sit in an
-``InputNodes`` object that the hooks reach only through a weak reference. Its owner keeps it
-alive exactly as long as the graph can run: selzero puts the objects of a model forward's
-units in the ``metadata`` of the model outputs' nodes (downstream of every unit input, so no
-node of the cycle holds them) and those of a forward run during a backward (a checkpoint's
-recompute) in a list cleared when that backward ends. Counting only the inputs the engine will
-reach matters: a unit input reached on some ranks only (a conditioning tensor that only some
-experts use, with routing that differs by rank) must not keep one rank from firing where the
-others fire (a review reproduced an agreed error, and a hang against a host collective in
-backward, with a hook that waited for every input). Where the object is gone (an owner that
-dropped it: a unit run outside the model's forward), the hook waits for every input, which
-is later than torch's at worst: the unit's buckets launch at the end of the backward.
+``register_all_grads_hook`` keeps torch's rule, and its hooks reach the nodes only through a weak
+reference to an ``InputNodes``. Only inputs the engine will reach count: a unit input reached on
+some ranks only (a conditioning tensor that only some experts read, with routing that differs by
+rank) must not keep one rank from firing where the others fire (a review reproduced an agreed
+error, and a hang against a host collective in backward, with a hook that waited for every
+input). ``ForwardInputs`` holds the objects, outside the graph (anything the graph holds that
+holds the nodes is a cycle again: a model output that is also a unit's input, HF's
+``output_hidden_states``, made that one in review), for a bounded time:
+
+- those of a model forward, in one group per forward, until a backward that used any of them
+  ends, or the forward's outputs are all gone (a forward never backwarded: a skipped step), or
+  ``MAX_FORWARDS`` newer forwards have started (forward, forward, backward, backward is served;
+  a pipeline deeper than that falls back below for its oldest micro-batches);
+- those of a forward run during a backward (a checkpoint's recompute), until it ends.
+
+Where the object is gone when a hook first runs, the hook waits for every input: later than
+torch's rule at worst (the unit's buckets launch at the end of the backward), never earlier.
 """
 
 from __future__ import annotations
@@ -36,24 +41,25 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["InputNodes", "register_all_grads_hook"]
+__all__ = ["InputNodes", "ForwardInputs", "register_all_grads_hook"]
 
 
 class InputNodes:
-    """The ``grad_fn`` nodes of a hook's tensors, held by the graph's owner, not by the hook."""
+    """The ``grad_fn`` nodes of a hook's tensors; ``used`` once a backward reached them."""
 
-    __slots__ = ("nodes", "__weakref__")
+    __slots__ = ("nodes", "used", "__weakref__")
 
     def __init__(self, nodes: list[Any]) -> None:
         self.nodes = nodes
+        self.used = False
 
 
 def register_all_grads_hook(tensors: Sequence[torch.Tensor], fn: Callable[[], None]
                             ) -> InputNodes:
     """Call ``fn()`` in every graph task once it has computed the gradient of each of
     ``tensors`` (distinct non-leaf tensors that require grad) that it reaches. Returns the
-    ``InputNodes`` the caller must keep alive while the graph may run backward; the hooks hold
-    ``fn``, a weak reference to it and a count per graph task ([Note: the all-gradients hook])."""
+    ``InputNodes`` the caller keeps while the graph may run backward; the hooks hold ``fn``, a
+    weak reference to it and a count per graph task ([Note: the all-gradients hook])."""
     held = InputNodes([t.grad_fn for t in tensors])
     ref = weakref.ref(held)
     total = len(tensors)
@@ -65,8 +71,11 @@ def register_all_grads_hook(tensors: Sequence[torch.Tensor], fn: Callable[[], No
         with lock:
             if task not in left:
                 nodes = ref()
-                left[task] = total if nodes is None else \
-                    sum(map(torch._C._will_engine_execute_node, nodes.nodes))
+                if nodes is None:
+                    left[task] = total
+                else:
+                    nodes.used = True
+                    left[task] = sum(map(torch._C._will_engine_execute_node, nodes.nodes))
             remaining = left[task] - 1
             if remaining > 0:
                 left[task] = remaining
@@ -78,3 +87,76 @@ def register_all_grads_hook(tensors: Sequence[torch.Tensor], fn: Callable[[], No
     for t in tensors:
         t.register_hook(hook)
     return held
+
+
+class _Group:
+    __slots__ = ("inputs", "dead", "__weakref__")
+
+    def __init__(self) -> None:
+        self.inputs: list[InputNodes] = []
+        self.dead = False  # every output of its forward is gone
+
+
+def _outputs_gone(group: "weakref.ref[_Group]") -> None:
+    g = group()
+    if g is not None:
+        g.dead = True  # (a plain store: this may run on any thread; dropped on the training one)
+
+
+class ForwardInputs:
+    """Holds ``InputNodes`` for the bounded time [Note: the all-gradients hook] gives. Called
+    on the training thread, except the finalizer, which only sets a flag."""
+
+    MAX_FORWARDS = 8
+    MAX_PER_FORWARD = 1 << 16  # unit calls of one forward (or of a loop that has none)
+
+    def __init__(self) -> None:
+        self.groups: list[_Group] = []
+        self.recomputed: list[InputNodes] = []
+
+    def held(self) -> int:
+        return sum(len(g.inputs) for g in self.groups) + len(self.recomputed)
+
+    def forward_started(self) -> None:
+        self._prune()
+        self.groups.append(_Group())
+        del self.groups[:-self.MAX_FORWARDS]
+
+    def add(self, inputs: InputNodes, *, in_backward: bool) -> None:
+        if in_backward:
+            self.recomputed.append(inputs)
+            return
+        if not self.groups:  # units run without the model's forward
+            self.groups.append(_Group())
+        group = self.groups[-1].inputs
+        group.append(inputs)
+        if len(group) > self.MAX_PER_FORWARD:
+            del group[:len(group) // 2]
+
+    def forward_ended(self, outputs: Sequence[torch.Tensor]) -> None:
+        """The current forward's outputs: when all their nodes are gone, so is its group."""
+        if not self.groups:
+            return
+        nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        if not nodes:
+            return
+        sentinel = _Sentinel()  # holds nothing: the nodes' metadata holds it
+        for node in nodes:
+            node.metadata.setdefault("selzero_forward", []).append(sentinel)
+        weakref.finalize(sentinel, _outputs_gone, weakref.ref(self.groups[-1])).atexit = False
+
+    def backward_ended(self) -> None:
+        self.recomputed = []
+        self._prune()
+
+    def clear(self) -> None:
+        self.groups = []
+        self.recomputed = []
+
+    def _prune(self) -> None:
+        self.groups = [g for g in self.groups
+                       if not g.dead and not any(i.used for i in g.inputs)]
+
+
+class _Sentinel:
+    __slots__ = ("__weakref__",)

@@ -87,7 +87,7 @@ from ..errors import MissingGradientError, NonFiniteGradientError, UsageError
 from .binding import EDITED, KINDS, MOVED, RECAST, REPLACED, STRAY_GRAD, Bindings
 from .collectives import BucketCollectives
 from .comm import Communicator
-from .grad_hooks import InputNodes, register_all_grads_hook
+from .grad_hooks import ForwardInputs, register_all_grads_hook
 from .layout import Layout
 from .outer_backward import CURRENT as OUTER
 from .selection import SelectedEntry
@@ -245,8 +245,7 @@ class ReductionWindow:
         self._hooks: list[Any] = []
         # launch units' input nodes: of this model forward until its end, of recomputes until
         # the backward ends ([Note: the all-gradients hook])
-        self._forward_nodes: list[InputNodes] = []
-        self._backward_nodes: list[InputNodes] = []
+        self._unit_inputs = ForwardInputs()
         self._reset()
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -265,6 +264,7 @@ class ReductionWindow:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._unit_inputs.clear()
 
     @property
     def installed(self) -> bool:
@@ -310,18 +310,15 @@ class ReductionWindow:
                 for i, x in zip(leaves, _Identity.apply(*[flat[i] for i in leaves])):
                     flat[i] = x
             inputs = list({id(flat[i]): flat[i] for i in idx}.values())
-            # the nodes live with the graph: in the model outputs' metadata, or until the
-            # backward this forward runs in ends ([Note: the all-gradients hook])
-            nodes = register_all_grads_hook(inputs, passed)
-            (self._forward_nodes if outside else self._backward_nodes).append(nodes)
+            self._unit_inputs.add(register_all_grads_hook(inputs, passed),
+                                  in_backward=not outside)  # [Note: the all-gradients hook]
             return tree_unflatten(flat, spec) if leaves else None
         return hook
 
     def _on_model_forward_start(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
             self._note_interrupted()  # local only: this forward may run on one rank alone
-            self._forward_nodes = []  # (a forward that raised, or gave no output to backward)
-            self._backward_nodes = []  # (a backward that raised)
+            self._unit_inputs.forward_started()
             self.forward_counts = [0] * len(self.units.names)
             self.forward_unfirable = set()
             self.forward_ran = set()
@@ -333,10 +330,7 @@ class ReductionWindow:
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
-        nodes, self._forward_nodes = self._forward_nodes, []
-        for t in tensors:  # downstream of every unit input ([Note: the all-gradients hook])
-            if t.grad_fn is not None:
-                t.grad_fn.metadata.setdefault("selzero_unit_inputs", []).extend(nodes)
+        self._unit_inputs.forward_ended(tensors)
         # What the backward through *these* outputs will meet: the unit forwards of this model
         # forward (a forward that is never backwarded counts for nothing), and the no_sync()
         # mode at forward time (as DDP decides it).
@@ -535,7 +529,7 @@ class ReductionWindow:
     def _backward_done(self) -> None:
         """End of the graph task the first hook of this backward ran in."""
         self.callback_queued = False
-        self._backward_nodes = []  # the recomputes of this backward have run theirs
+        self._unit_inputs.backward_ended()
         self.backward_sync = None
         self.tentative = False
         self.taking = False
