@@ -23,14 +23,24 @@ input). ``ForwardInputs`` holds the objects, outside the graph (anything the gra
 holds the nodes is a cycle again: a model output that is also a unit's input, HF's
 ``output_hidden_states``, made that one in review), for a bounded time:
 
-- those of a model forward, in one group per forward, until a backward that used any of them
-  ends, or the forward's outputs are all gone (a forward never backwarded: a skipped step), or
-  ``MAX_FORWARDS`` newer forwards have started (forward, forward, backward, backward is served;
-  a pipeline deeper than that falls back below for its oldest micro-batches);
+- those of a model forward, in one group per forward, until the forward's outputs are all gone
+  (after its backward, when the program drops them; or a forward never backwarded: a skipped
+  step), seen at the next forward, backward end or ``step()``, or until ``MAX_FORWARDS``
+  newer forwards have started. Not "until a backward used them": a
+  gradient penalty's ``autograd.grad``, or a ``retain_graph`` backward, runs before the main
+  backward through the same graph (a review reproduced the agreed error with that rule). Where
+  the outputs feed units (hidden states), they stay alive with the group, which then goes by
+  age (after a backward the nodes no longer hold saved tensors);
+- those of units run without the model's forward, in one group of at most ``4 x units``
+  unit calls (at least 16), the oldest half dropped beyond it;
 - those of a forward run during a backward (a checkpoint's recompute), until it ends.
 
 Where the object is gone when a hook first runs, the hook waits for every input: later than
-torch's rule at worst (the unit's buckets launch at the end of the backward), never earlier.
+torch's rule (the unit's buckets launch at the end of the backward), never earlier; with a unit
+input reached on some ranks only, the ranks then disagree and every rank raises the agreed
+error. That needs a forward older than ``MAX_FORWARDS`` forwards (a deep pipeline schedule), or a
+loss taken on an intermediate after the outputs were dropped with another forward before its
+backward.
 """
 
 from __future__ import annotations
@@ -45,13 +55,12 @@ __all__ = ["InputNodes", "ForwardInputs", "register_all_grads_hook"]
 
 
 class InputNodes:
-    """The ``grad_fn`` nodes of a hook's tensors; ``used`` once a backward reached them."""
+    """The ``grad_fn`` nodes of a hook's tensors."""
 
-    __slots__ = ("nodes", "used", "__weakref__")
+    __slots__ = ("nodes", "__weakref__")
 
     def __init__(self, nodes: list[Any]) -> None:
         self.nodes = nodes
-        self.used = False
 
 
 def register_all_grads_hook(tensors: Sequence[torch.Tensor], fn: Callable[[], None]
@@ -71,11 +80,8 @@ def register_all_grads_hook(tensors: Sequence[torch.Tensor], fn: Callable[[], No
         with lock:
             if task not in left:
                 nodes = ref()
-                if nodes is None:
-                    left[task] = total
-                else:
-                    nodes.used = True
-                    left[task] = sum(map(torch._C._will_engine_execute_node, nodes.nodes))
+                left[task] = total if nodes is None else \
+                    sum(map(torch._C._will_engine_execute_node, nodes.nodes))
             remaining = left[task] - 1
             if remaining > 0:
                 left[task] = remaining
@@ -107,18 +113,18 @@ class ForwardInputs:
     """Holds ``InputNodes`` for the bounded time [Note: the all-gradients hook] gives. Called
     on the training thread, except the finalizer, which only sets a flag."""
 
-    MAX_FORWARDS = 8
-    MAX_PER_FORWARD = 1 << 16  # unit calls of one forward (or of a loop that has none)
+    MAX_FORWARDS = 32
 
-    def __init__(self) -> None:
+    def __init__(self, units: int) -> None:
         self.groups: list[_Group] = []
         self.recomputed: list[InputNodes] = []
+        self.max_per_forward = max(16, 4 * units)  # unit calls of one group
 
     def held(self) -> int:
         return sum(len(g.inputs) for g in self.groups) + len(self.recomputed)
 
     def forward_started(self) -> None:
-        self._prune()
+        self.prune()
         self.groups.append(_Group())
         del self.groups[:-self.MAX_FORWARDS]
 
@@ -130,7 +136,7 @@ class ForwardInputs:
             self.groups.append(_Group())
         group = self.groups[-1].inputs
         group.append(inputs)
-        if len(group) > self.MAX_PER_FORWARD:
+        if len(group) > self.max_per_forward:  # (units run without the model's forward)
             del group[:len(group) // 2]
 
     def forward_ended(self, outputs: Sequence[torch.Tensor]) -> None:
@@ -147,15 +153,15 @@ class ForwardInputs:
 
     def backward_ended(self) -> None:
         self.recomputed = []
-        self._prune()
+        self.prune()
 
     def clear(self) -> None:
         self.groups = []
         self.recomputed = []
 
-    def _prune(self) -> None:
-        self.groups = [g for g in self.groups
-                       if not g.dead and not any(i.used for i in g.inputs)]
+    def prune(self) -> None:
+        """Drop the groups whose forward's outputs are all gone."""
+        self.groups = [g for g in self.groups if not g.dead]
 
 
 class _Sentinel:

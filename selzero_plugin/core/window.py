@@ -243,9 +243,8 @@ class ReductionWindow:
         self.forward_ran: set[int] = set()  # units it ran at all
         self._probes: list[Any] = []
         self._hooks: list[Any] = []
-        # launch units' input nodes: of this model forward until its end, of recomputes until
-        # the backward ends ([Note: the all-gradients hook])
-        self._unit_inputs = ForwardInputs()
+        # launch units' input nodes, held for a bounded time ([Note: the all-gradients hook])
+        self._unit_inputs = ForwardInputs(len(units.names))
         self._reset()
 
     # ---- hooks -----------------------------------------------------------------------------
@@ -1127,6 +1126,7 @@ class ReductionWindow:
 
     def finish_step(self) -> None:
         self._reset()
+        self._unit_inputs.prune()  # the step's forwards whose outputs are gone
 
     def fail(self, error: Exception) -> None:
         """Forget the window and raise ``error`` (the caller made sure every rank does)."""
