@@ -171,9 +171,11 @@ class _ConditionedMoE(nn.Module):
     def forward(self, x: torch.Tensor, routes: list[torch.Tensor]) -> Any:
         h, c = torch.tanh(self.inp(x)), torch.tanh(self.cond(x))
         hidden = [h]
-        for block, r in zip(self.blocks, routes):
-            h = block(h, r, c)
-            hidden.append(h)
+        calls = 10 if self.use == "looped" else 1  # (20 unit calls in one forward)
+        for _ in range(calls):
+            for block, r in zip(self.blocks, routes):
+                h = block(h, r, c)
+                hidden.append(h)
         self.last_h = h
         out = self.out(h)
         if self.use == "hidden_states":  # as HF's output_hidden_states: outputs feed units
@@ -231,14 +233,15 @@ def _conditioned_steps(rank: int, world: int, use: str) -> dict[str, torch.Tenso
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("use", ["plain", "hidden_states", "view_in_place", "intermediate",
-                                 "penalty"])
+                                 "penalty", "looped"])
 def test_a_unit_input_reached_on_some_ranks_only(use: str):
     """Review findings: a hook that waited for every input never fired on rank 1 at step 1 (its
     conditioning input is not reached there) while rank 0's fired: every rank raised an agreed
     UsageError and the window was dropped (with a host collective in backward, a hang until
     timeout_s). Nodes kept in the outputs' metadata were lost by a view changed in place and by
     a loss on an intermediate; nodes dropped once a backward had used them were missing for the
-    main backward after a gradient penalty's autograd.grad. With the engine's answer, as
+    main backward after a gradient penalty's autograd.grad, and a cap meant for units run
+    without the model's forward cut a forward of 20 unit calls. With the engine's answer, as
     torch's hook: the mean of the ranks' losses, however the program uses the outputs."""
     _ConditionedMoE.use = use
     torch.manual_seed(0)

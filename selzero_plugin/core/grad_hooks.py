@@ -25,12 +25,14 @@ holds the nodes is a cycle again: a model output that is also a unit's input, HF
 
 - those of a model forward, in one group per forward, until the forward's outputs are all gone
   (after its backward, when the program drops them; or a forward never backwarded: a skipped
-  step), seen at the next forward, backward end or ``step()``, or until ``MAX_FORWARDS``
-  newer forwards have started. Not "until a backward used them": a
+  step), seen at the next forward, backward end or ``step()``, or until ``MAX_FORWARDS`` (8)
+  newer forwards that registered any have started. Not "until a backward used them": a
   gradient penalty's ``autograd.grad``, or a ``retain_graph`` backward, runs before the main
   backward through the same graph (a review reproduced the agreed error with that rule). Where
   the outputs feed units (hidden states), they stay alive with the group, which then goes by
-  age (after a backward the nodes no longer hold saved tensors);
+  age: after a backward the nodes no longer hold saved tensors, except under
+  ``retain_graph=True``, where up to 8 forwards' activations stay (a review measured 2 MB a
+  step on a small model with 32);
 - those of units run without the model's forward, in one group of at most ``4 x units``
   unit calls (at least 16), the oldest half dropped beyond it;
 - those of a forward run during a backward (a checkpoint's recompute), until it ends.
@@ -38,7 +40,7 @@ holds the nodes is a cycle again: a model output that is also a unit's input, HF
 Where the object is gone when a hook first runs, the hook waits for every input: later than
 torch's rule (the unit's buckets launch at the end of the backward), never earlier; with a unit
 input reached on some ranks only, the ranks then disagree and every rank raises the agreed
-error. That needs a forward older than ``MAX_FORWARDS`` forwards (a deep pipeline schedule), or a
+error. That needs a forward older than 8 forwards (a deep pipeline schedule), or a
 loss taken on an intermediate after the outputs were dropped with another forward before its
 backward.
 """
@@ -96,11 +98,12 @@ def register_all_grads_hook(tensors: Sequence[torch.Tensor], fn: Callable[[], No
 
 
 class _Group:
-    __slots__ = ("inputs", "dead", "__weakref__")
+    __slots__ = ("inputs", "dead", "rootless", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, *, rootless: bool = False) -> None:
         self.inputs: list[InputNodes] = []
         self.dead = False  # every output of its forward is gone
+        self.rootless = rootless  # units run without the model's forward: capped
 
 
 def _outputs_gone(group: "weakref.ref[_Group]") -> None:
@@ -113,7 +116,7 @@ class ForwardInputs:
     """Holds ``InputNodes`` for the bounded time [Note: the all-gradients hook] gives. Called
     on the training thread, except the finalizer, which only sets a flag."""
 
-    MAX_FORWARDS = 32
+    MAX_FORWARDS = 8
 
     def __init__(self, units: int) -> None:
         self.groups: list[_Group] = []
@@ -133,11 +136,11 @@ class ForwardInputs:
             self.recomputed.append(inputs)
             return
         if not self.groups:  # units run without the model's forward
-            self.groups.append(_Group())
-        group = self.groups[-1].inputs
-        group.append(inputs)
-        if len(group) > self.max_per_forward:  # (units run without the model's forward)
-            del group[:len(group) // 2]
+            self.groups.append(_Group(rootless=True))
+        group = self.groups[-1]
+        group.inputs.append(inputs)
+        if group.rootless and len(group.inputs) > self.max_per_forward:
+            del group.inputs[:len(group.inputs) // 2]
 
     def forward_ended(self, outputs: Sequence[torch.Tensor]) -> None:
         """The current forward's outputs: when all their nodes are gone, so is its group."""
@@ -160,8 +163,10 @@ class ForwardInputs:
         self.recomputed = []
 
     def prune(self) -> None:
-        """Drop the groups whose forward's outputs are all gone."""
-        self.groups = [g for g in self.groups if not g.dead]
+        """Drop the groups whose forward's outputs are all gone, and earlier forwards that
+        registered nothing (under ``no_grad``: evaluation, ``generate()``)."""
+        last = self.groups[-1] if self.groups else None  # (its forward may be running)
+        self.groups = [g for g in self.groups if not g.dead and (g.inputs or g is last)]
 
 
 class _Sentinel:
