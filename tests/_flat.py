@@ -90,6 +90,21 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
                     st = sz.optimizer.state[seg]
                     st[next(iter(k for k in st if k != "step"))] = \
                         torch.full_like(st[next(iter(k for k in st if k != "step"))], 0.25)
+            if step == 2 and twist == "storage":  # new storage under the same tensor objects
+                segs = list(sz.optimizer.state)
+                st = sz.optimizer.state[segs[0]]
+                key = next(k for k in st if k != "step")
+                st[key].data = torch.full_like(st[key], 0.25)  # an offload helper's idiom
+                st = sz.optimizer.state[segs[1]]
+                st[key].set_(torch.full_like(st[key], -0.5))
+                st["step"].set_(torch.full_like(st["step"], 7.0))
+            if step == 2 and twist == "swap":  # two experts' state exchanged (a permutation)
+                by_shape: dict[Any, list[Any]] = {}
+                for seg in sz.optimizer.state:
+                    by_shape.setdefault(tuple(seg.shape), []).append(seg)
+                a_, b_ = next(v for v in by_shape.values() if len(v) >= 2)[:2]
+                st = sz.optimizer.state
+                st[a_], st[b_] = st[b_], st[a_]
             if step == 2 and twist == "momentum":  # SGD's momentum turned on mid-training
                 for group in sz.optimizer.param_groups:
                     group["momentum"] = 0.9

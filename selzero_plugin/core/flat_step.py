@@ -86,7 +86,8 @@ def _fingerprint(state: Any) -> tuple[Any, tuple[list[int], ...]] | None:
     identity at every step: ~3 us per slot in Python, 34 ms a step for the 12,288 slots a rank
     holds under ``partition="chunks"`` at any N (``benchmarks/scale.py``). Where an optimizer's
     whole ``state`` is the one the last step left (the same keys, dicts, lengths and values, in
-    order, compared by ``id`` in C loops), each slot's check would pass again, so it is skipped.
+    order, compared by ``id`` in C loops, and the values' ``data_ptr``: new storage under a view,
+    ``t.data = ...`` or ``t.set_(...)``), each slot's check would pass again, so it is skipped.
     The objects are kept with their ids (no id is reused while the fingerprint lives); any
     change (a load, a clear, a dict or tensor put in, a key added or removed) makes it differ
     and the per-slot check runs. None for a state that is not a mapping of dicts."""
@@ -94,10 +95,24 @@ def _fingerprint(state: Any) -> tuple[Any, tuple[list[int], ...]] | None:
         keys = list(state)
         dicts = list(state.values())
         values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
-    except (TypeError, AttributeError):  # (a value that is not a dict: the per-slot check)
+        places = list(map(torch.Tensor.data_ptr, values))  # (new storage under a view)
+    except (TypeError, AttributeError):  # (not a dict, not a tensor: the per-slot check)
         return None
     return ((keys, dicts, values), (list(map(id, keys)), list(map(id, dicts)),
-                                    list(map(len, dicts)), list(map(id, values))))
+                                    list(map(len, dicts)), list(map(id, values)), places))
+
+
+def _copy_all(pending: list[tuple[torch.Tensor, torch.Tensor]], buffers: Any) -> None:
+    """``view.copy_(value)`` for each pair, the values that are themselves views of the flat
+    buffers read first: state exchanged between two slots (a permutation of experts) would
+    otherwise read one side after it was overwritten (review finding)."""
+    if not pending:
+        return
+    stores = {b.untyped_storage().data_ptr() for b in buffers}
+    sources = [v.detach().clone() if v.untyped_storage().data_ptr() in stores else v.detach()
+               for _, v in pending]
+    for (view, _), source in zip(pending, sources):
+        view.copy_(source.view(view.shape))
 
 
 class FlatStep:
@@ -180,7 +195,7 @@ class FlatStep:
         self._scratch_cache: dict[Any, tuple[list[torch.Tensor],
                                              list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._grads_clear = False
-        self._held: list[tuple[tuple[str, torch.Tensor], ...]] = [()] * self.n
+        self._held: list[tuple[tuple[str, torch.Tensor, int], ...]] = [()] * self.n
         # per member, its state as the last step left it ([Note: state fingerprint])
         self._snapshot: list[tuple[Any, tuple[list[int], ...]] | None] = [None] * len(members)
         # strided runs: per storage generation, each slot's (storage, offset, numel)
@@ -532,13 +547,14 @@ class FlatStep:
         keys = self.keys[m]
         assert keys is not None
         segments = self.storage.segments
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view, what it takes in)
         for i in self.slots_of_member[m]:
             g, seg = self.group_of_slot[i], segments[i]
             held = state.get(seg)
             mine = self.public[i]
             if held is not None and held is mine and len(held) == len(self._held[i]) and \
-                    all(held.get(k) is v for k, v in self._held[i]):
-                continue  # still ours
+                    all(held.get(k) is v and v.data_ptr() == at for k, v, at in self._held[i]):
+                continue  # still ours (the same views, on the same storage)
             if not held:
                 self.public[i] = None
                 continue
@@ -550,6 +566,7 @@ class FlatStep:
                 # (a dtype other than the buffer's: a user's bf16 moments beside FP32 ones, a
                 # load's FP32 state beside a bf16 buffer; the per-segment path keeps each as
                 # torch would, where a copy into the buffer would round it: review finding)
+                _copy_all(pending, self.flat.values())
                 self._turn_off(m)
                 return
             for key, kind in keys.items():
@@ -559,8 +576,9 @@ class FlatStep:
                 value = held[key]
                 if value is not view and not (value.data_ptr() == view.data_ptr() and
                                               value.shape == view.shape):  # (a load in place)
-                    view.copy_(value.detach().view(view.shape))
+                    pending.append((view, value))
             self._install(i, seg, state, views)
+        _copy_all(pending, self.flat.values())
 
     def place(self, i: int, read: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Slot i's loaded state written straight into the flat buffers: the views the slot
@@ -585,7 +603,7 @@ class FlatStep:
     def _install(self, i: int, seg: Any, state: Any, views: dict[str, torch.Tensor]) -> None:
         state[seg] = views
         self.public[i] = views
-        self._held[i] = tuple(views.items())
+        self._held[i] = tuple((k, v, v.data_ptr()) for k, v in views.items())
 
     def _keep(self, runs: list[tuple[int, int]], numels: list[int], after: list[dict[str, Any]],
               passed: list[dict[str, Any]],
