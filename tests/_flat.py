@@ -105,6 +105,13 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
                 a_, b_ = next(v for v in by_shape.values() if len(v) >= 2)[:2]
                 st = sz.optimizer.state
                 st[a_], st[b_] = st[b_], st[a_]
+            if step == 2 and twist == "swap_off":  # the same, and a slot between them whose
+                segs = list(sz.optimizer.state)  # state ends the flat path in that step
+                st = sz.optimizer.state
+                a_ = segs[0]
+                b_ = next(s_ for s_ in segs[2:] if s_.shape == a_.shape)
+                st[a_], st[b_] = st[b_], st[a_]
+                st[segs[1]]["step"] = st[segs[1]]["step"].to(torch.float64)
             if step == 2 and twist == "momentum":  # SGD's momentum turned on mid-training
                 for group in sz.optimizer.param_groups:
                     group["momentum"] = 0.9

@@ -548,6 +548,7 @@ class FlatStep:
         assert keys is not None
         segments = self.storage.segments
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view, what it takes in)
+        installs: list[tuple[int, Any, dict[str, torch.Tensor]]] = []  # after every copy
         for i in self.slots_of_member[m]:
             g, seg = self.group_of_slot[i], segments[i]
             held = state.get(seg)
@@ -566,8 +567,7 @@ class FlatStep:
                 # (a dtype other than the buffer's: a user's bf16 moments beside FP32 ones, a
                 # load's FP32 state beside a bf16 buffer; the per-segment path keeps each as
                 # torch would, where a copy into the buffer would round it: review finding)
-                _copy_all(pending, self.flat.values())
-                self._turn_off(m)
+                self._turn_off(m)  # (from the dicts as found: nothing copied or installed yet)
                 return
             for key, kind in keys.items():
                 self._buffer(g, key, kind, held[key])
@@ -577,8 +577,10 @@ class FlatStep:
                 if value is not view and not (value.data_ptr() == view.data_ptr() and
                                               value.shape == view.shape):  # (a load in place)
                     pending.append((view, value))
-            self._install(i, seg, state, views)
+            installs.append((i, seg, views))
         _copy_all(pending, self.flat.values())
+        for i, seg, views in installs:
+            self._install(i, seg, state, views)
 
     def place(self, i: int, read: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Slot i's loaded state written straight into the flat buffers: the views the slot
