@@ -15,6 +15,14 @@ way:
   and adds each into row r, peers in ascending rank order (a fixed order of the sum: at N = 2
   the result equals the all-reduce's bitwise; at N > 2 it may differ in the last bit, as any
   other order of the sum would).
+- *into the shard*: when the caller passes ``into`` (the row's runs of real elements and the
+  gradient-shard views they go to: a bucket's first reduction of the window, whose row the
+  caller would only copy there), the sums go straight to those views instead (row r's piece
+  plus the first peer's, written there; the later peers' added there: the same order, the same
+  bits), and row r is left as it was. This saves the copy of the row into the shard, one pass
+  over a rank's share of the bucket in the training thread (5.2 ms per step on workload f,
+  8.4M elements per rank). Positions of the row in no run (padding) are then not summed at
+  all: nothing reads them.
 
 Memory: the temporary holds at most an eighth of the bucket (``temp_numel``); it is allocated
 once, on the training thread, beside the pooled bucket blocks ([Note: buffer pool]), and counts
@@ -101,13 +109,26 @@ def _bounds(length: int, piece: int) -> list[tuple[int, int]]:
     return [(a, min(length, a + piece)) for a in range(0, length, piece)]
 
 
+def _overlaps(into: list[tuple[int, torch.Tensor]], a: int, b: int
+              ) -> list[tuple[int, int, torch.Tensor]]:
+    """(lo, hi, the view's part) for each run of ``into`` that meets row positions [a, b)."""
+    out = []
+    for offset, view in into:
+        lo, hi = max(a, offset), min(b, offset + view.numel())
+        if lo < hi:
+            out.append((lo, hi, view[lo - offset:hi - offset]))
+    return out
+
+
 class P2PReduceScatter:
     """One bucket's reduction, run by a ``Driver``; ``wait()`` returns this rank's row."""
 
     def __init__(self, group: Any, rank: int, rows: list[torch.Tensor], temp: torch.Tensor,
-                 tag: int, piece: int) -> None:
+                 tag: int, piece: int,
+                 into: list[tuple[int, torch.Tensor]] | None = None) -> None:
         self._group, self._rank, self._rows, self._temp = group, rank, rows, temp
         self._tag, self._piece = tag, piece
+        self._into = into  # (offset in row r, 1-D view it goes to), ascending and disjoint
         self.row = rows[rank]
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -119,7 +140,7 @@ class P2PReduceScatter:
         except BaseException as e:  # noqa: BLE001 - handed to the training thread's wait()
             self.error = e
         finally:
-            self._rows = []  # the driver keeps no view of the buffer
+            self._rows, self._into = [], None  # the driver keeps no view of the buffer or shard
             self._done.set()
 
     def _run(self) -> None:
@@ -141,10 +162,20 @@ class P2PReduceScatter:
 
         for i in range(min(SLOTS, len(pieces))):
             post(i)
+        into = self._into
         for i, (a, b) in enumerate(pieces):
+            parts = None if into is None else _overlaps(into, a, b)
             for k, work in enumerate(posted.pop(i)):
                 work.wait()
-                mine[a:b].add_(temp[k, i % SLOTS, :b - a])
+                received = temp[k, i % SLOTS, :b - a]
+                if parts is None:
+                    mine[a:b].add_(received)
+                    continue
+                for lo, hi, target in parts:  # into the shard: the same sums, elsewhere
+                    if k == 0:
+                        torch.add(mine[lo:hi], received[lo - a:hi - a], out=target)
+                    else:
+                        target.add_(received[lo - a:hi - a])
             if i + SLOTS < len(pieces):
                 post(i + SLOTS)
         for work in sends:

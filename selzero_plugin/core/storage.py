@@ -148,13 +148,28 @@ class ShardStorage:
 
     # ---- reduced rows in, updated rows out -------------------------------------------------
 
-    def accumulate(self, bucket: int, row: torch.Tensor) -> None:
-        """Add this rank's reduced row of ``bucket`` into the gradient shard."""
+    def first_write(self, bucket: int) -> bool:
+        """Will ``bucket``'s next reduced row be the window's first (copied, not added)?"""
+        return self.stale or bucket not in self.written
+
+    def shard_targets(self, bucket: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the bucket's row, gradient-shard view) for each run of the row's real
+        elements: where a first reduced row goes (``write_into``)."""
+        return [(row_offset, self.grad_shard[shard_offset:shard_offset + numel])
+                for row_offset, shard_offset, numel in self.runs[bucket]]
+
+    def mark_written(self, bucket: int) -> bool:
+        """Record that ``bucket``'s reduced row joined the window; was it the first?"""
         if self.stale:  # a new window: each bucket's first row is copied, not added to zeros
             self.written.clear()
             self.stale = False
         first = bucket not in self.written
         self.written.add(bucket)
+        return first
+
+    def accumulate(self, bucket: int, row: torch.Tensor) -> None:
+        """Add this rank's reduced row of ``bucket`` into the gradient shard."""
+        first = self.mark_written(bucket)
         for row_offset, shard_offset, numel in self.runs[bucket]:
             target = self.grad_shard[shard_offset:shard_offset + numel]
             if first:
