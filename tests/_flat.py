@@ -72,6 +72,8 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
     if twist == "posthook":
         sz.optimizer.register_step_post_hook(failing_post_hook)
     snaps = []
+    had: list[set[int]] = []  # after each step: the segments that hold state
+    dropped: list[int] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
@@ -112,6 +114,12 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
                 b_ = next(s_ for s_ in segs[2:] if s_.shape == a_.shape)
                 st[a_], st[b_] = st[b_], st[a_]
                 st[segs[1]]["step"] = st[segs[1]]["step"].to(torch.float64)
+            if twist == "drop_new" and not dropped and step >= 2:  # a user deletes the state
+                # the last step made (experts stepped for the first time): torch restarts it
+                born = [seg for seg in sz.optimizer.state if id(seg) not in had[step - 2]]
+                for seg in born:
+                    del sz.optimizer.state[seg]
+                dropped.extend(id(seg) for seg in born)
             if step == 2 and twist == "momentum":  # SGD's momentum turned on mid-training
                 for group in sz.optimizer.param_groups:
                     group["momentum"] = 0.9
@@ -132,6 +140,7 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
             host.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
+            had.append({id(seg) for seg in sz.optimizer.state})
             snaps.append({
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "state": {k: {n: v.detach().clone() for n, v in s.items()}
@@ -139,6 +148,7 @@ def _arm(rank: int, flat: bool, opt_name: str, steps: int, *, dtype: torch.dtype
                 "updated": result.updated,
                 "runs": sz.flat_step.runs_last_step if sz.flat_step is not None else -1})
     return {"snaps": snaps, "tensors_per_step": seen, "raised": raised, "segments": len(sz.segments),
+            "dropped": len(dropped),
             "memory": sz.memory_report(),
             "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
                          or "optimizer.step()" in str(w.message)]}

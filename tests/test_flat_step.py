@@ -68,16 +68,20 @@ def test_flat_step_after_a_state_dict_round_trip_and_a_state_clear():
 @pytest.mark.parametrize("opt,twist", [("AdamW", "replace"), ("SGD-plain", "momentum"),
                                        ("AdamW", "posthook"), ("AdamW", "bound"),
                                        ("NAdam", "bound"), ("AdamW", "storage"),
-                                       ("AdamW", "swap"), ("AdamW", "swap_off")])
+                                       ("AdamW", "swap"), ("AdamW", "swap_off"),
+                                       ("AdamW", "drop_new")])
 def test_flat_step_under_a_users_changes_to_state_and_hyperparameters(opt, twist):
     """Review findings: a state tensor a user replaced was ignored (the step went on from the
     flat buffer); SGD's momentum turned on after construction lost its buffers at every step;
     a step post-hook that raised after the update lost the step counts; new storage under a
     state tensor (``.data =``, ``set_``) was not seen; state exchanged between two slots was
     read after half of it was overwritten, also where a slot between them ended the flat path
-    in the same step."""
+    in the same step; state deleted right after the step that made it (experts stepped for the
+    first time) must restart, not go on from the flat buffers ([Note: state fingerprint])."""
     for out in all_values(run_ranks(flat_and_segments, 2, opt, 5, twist=twist)):
         _same(out["flat"], out["segments"])
+        if twist == "drop_new":
+            assert out["flat"]["dropped"] == out["segments"]["dropped"] > 0
         if twist == "posthook":
             assert out["flat"]["raised"] == out["segments"]["raised"] == [2]
         if twist == "momentum":  # the flat path ends after step 2's update; its counter says

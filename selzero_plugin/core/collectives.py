@@ -279,14 +279,14 @@ class BucketCollectives:
             buffer.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
         self.filled[b] = set()
-        into = None
+        into, flag = None, None
         if self.comm.reduces_into and self.storage.first_write(b) and \
                 len(self.storage.runs[b]) <= MAX_INTO_RUNS:  # [Note: into the shard]
-            into = self.storage.shard_targets(b)
+            into, flag = self.storage.shard_targets(b), self.storage.bucket_nonfinite[b]
         self.comm.what = self.labels["gradient"][b]
         try:
             self.pending.append(_Launched(b, self.comm.reduce_scatter_rows(
-                buffer, self.layout.buckets[b].row_numels or None, into), buffer,
+                buffer, self.layout.buckets[b].row_numels or None, into, flag), buffer,
                 into_shard=into is not None))
         finally:
             self.comm.what = ""
@@ -363,8 +363,8 @@ class BucketCollectives:
         self.pending.remove(launched)
         b, buffer = launched.bucket, launched.buffer
         row = launched.work.wait()
-        if launched.into_shard:  # the sums are in the shard already
-            first = self.storage.mark_written(b)
+        if launched.into_shard:  # the sums are in the shard already, checked
+            first = self.storage.mark_written(b, checked=True)
             assert first, "a reduction into the shard is the bucket's first of the window"
         elif not launched.discarded:
             self.storage.accumulate(b, row)

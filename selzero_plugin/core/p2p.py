@@ -22,7 +22,8 @@ way:
   bits), and row r is left as it was. This saves the copy of the row into the shard, one pass
   over a rank's share of the bucket in the training thread (5.2 ms per step on workload f,
   8.4M elements per rank). Positions of the row in no run (padding) are then not summed at
-  all: nothing reads them.
+  all: nothing reads them. Each piece's sums are then checked for inf/NaN while in cache, the
+  result in ``flag`` ([Note: checked buckets] in storage.py).
 
 Memory: the temporary holds at most an eighth of the bucket (``temp_numel``); it is allocated
 once, on the training thread, beside the pooled bucket blocks ([Note: buffer pool]), and counts
@@ -67,6 +68,7 @@ import torch
 
 from ..config import ENV_GLOO_REDUCE
 from ..errors import UsageError
+from .storage import holds_nonfinite
 
 __all__ = ["Driver", "P2PReduceScatter", "SLOTS", "MAX_P2P_WORLD", "piece_numel", "temp_numel"]
 
@@ -125,10 +127,12 @@ class P2PReduceScatter:
 
     def __init__(self, group: Any, rank: int, rows: list[torch.Tensor], temp: torch.Tensor,
                  tag: int, piece: int,
-                 into: list[tuple[int, torch.Tensor]] | None = None) -> None:
+                 into: list[tuple[int, torch.Tensor]] | None = None,
+                 flag: torch.Tensor | None = None) -> None:
         self._group, self._rank, self._rows, self._temp = group, rank, rows, temp
         self._tag, self._piece = tag, piece
         self._into = into  # (offset in row r, 1-D view it goes to), ascending and disjoint
+        self._flag = flag  # with ``into``: set to whether the sums hold an inf or NaN
         self.row = rows[rank]
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -140,7 +144,7 @@ class P2PReduceScatter:
         except BaseException as e:  # noqa: BLE001 - handed to the training thread's wait()
             self.error = e
         finally:
-            self._rows, self._into = [], None  # the driver keeps no view of the buffer or shard
+            self._rows, self._into, self._flag = [], None, None  # (no view of buffer, shard)
             self._done.set()
 
     def _run(self) -> None:
@@ -162,7 +166,7 @@ class P2PReduceScatter:
 
         for i in range(min(SLOTS, len(pieces))):
             post(i)
-        into = self._into
+        into, nonfinite = self._into, False
         for i, (a, b) in enumerate(pieces):
             parts = None if into is None else _overlaps(into, a, b)
             for k, work in enumerate(posted.pop(i)):
@@ -176,8 +180,12 @@ class P2PReduceScatter:
                         torch.add(mine[lo:hi], received[lo - a:hi - a], out=target)
                     else:
                         target.add_(received[lo - a:hi - a])
+                    if k == size - 2 and not nonfinite:  # the piece's sums, still in cache
+                        nonfinite = bool(holds_nonfinite(target))
             if i + SLOTS < len(pieces):
                 post(i + SLOTS)
+        if self._flag is not None:
+            self._flag.fill_(nonfinite)
         for work in sends:
             work.wait()
 
