@@ -3,7 +3,9 @@ into the shard, and the reduction point uses those checks instead of a pass over
 while they describe it. A sum that overflows though each rank's gradient is finite, a NaN on one
 rank, an overflow across micro-steps (the second micro-step's addition is not checked: the whole
 shard is) and a write through ``sz.grad_shard`` after the backward are each found, on every
-rank, and the step is skipped; finite steps update and need no pass over the shard."""
+rank, and the step is skipped; so is one written through ``.data`` or ``.numpy()`` of
+``sz.grad_shard`` (no version counter moves: handing the shard out turns the checks off);
+finite steps update and need no pass over the shard until then."""
 
 from __future__ import annotations
 
@@ -74,10 +76,17 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         "nan_on_one_rank": step([[1.0, 1.0, "nan at 0" if rank == last else 1.0]]),
         # 1e38 per rank and micro-step: finite after the first, inf after the second
         "accumulation_overflows": step([[1e38, 1.0, 1.0], [1e38, 1.0, 1.0]]),
-        "user_write": step([[1.0, 1.0, 1.0]],
-                           write=lambda sz: sz.grad_shard.__setitem__(3, float("inf"))),
         "accumulation_finite": step([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
         "finite_again": step([[1.0, 2.0, 3.0]]),
+        # writes after the backward, through the public shard: from then on, whole-shard passes
+        # (review finding: .data and .numpy() writes move no version counter)
+        "user_write": step([[1.0, 1.0, 1.0]],
+                           write=lambda sz: sz.grad_shard.__setitem__(3, float("inf"))),
+        "user_write_data": step([[1.0, 1.0, 1.0]],
+                                write=lambda sz: sz.grad_shard.data.__setitem__(3, float("inf"))),
+        "user_write_numpy": step([[1.0, 1.0, 1.0]], write=lambda sz: sz.grad_shard.numpy()
+                                 .__setitem__(3, float("inf"))),
+        "after_exposure": step([[1.0, 2.0, 3.0]]),
     }
     sz.remove_hooks()
     return out
@@ -87,16 +96,17 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 def test_nonfinite_sums_are_found_by_the_checks_or_the_whole_shard(world: int) -> None:
     for value in all_values(run_ranks(_scenarios, world, timeout=120)):
         assert value["finite"]["buckets"] == EXPERTS, value
-        for case in ("finite", "accumulation_finite", "finite_again"):
+        for case in ("finite", "accumulation_finite", "finite_again", "after_exposure"):
             assert value[case]["updated"] == EXPERTS and all(value[case]["changed"]), \
                 (case, value[case])
         for case in ("sum_overflows", "nan_on_one_rank", "accumulation_overflows",
-                     "user_write"):
+                     "user_write", "user_write_data", "user_write_numpy"):
             assert value[case]["updated"] == 0 and value[case]["skipped_nonfinite"] == EXPERTS \
                 and not any(value[case]["changed"]), (case, value[case])
         # the checks made on the reduction's thread serve a window of one micro-step
         for case in ("finite", "sum_overflows", "nan_on_one_rank", "finite_again"):
             assert value[case]["whole"] == 0, (case, value[case])
-        # a second micro-step's addition, or a write after the backward: the whole shard
-        for case in ("accumulation_overflows", "accumulation_finite", "user_write"):
+        # a second micro-step's addition, or the shard handed out: the whole shard
+        for case in ("accumulation_overflows", "accumulation_finite", "user_write",
+                     "user_write_data", "user_write_numpy", "after_exposure"):
             assert value[case]["whole"] == 1, (case, value[case])

@@ -25,8 +25,12 @@ piece's last addition, while it is still in cache, on the reduction's thread; it
 *checked*, with its flag in ``bucket_nonfinite``. ``nonfinite`` uses the flags alone when every
 bucket is checked and nothing wrote the shard since the last one was finished (the shard's
 version counter, which every in-place write through it or a view of it moves, is the one seen
-then): a later micro-step's addition, a copied row, a user's write through ``sz.grad_shard`` or
-a gradient view each make it check the whole shard, as before.
+then): a later micro-step's addition or a copied row makes it check the whole shard, as
+before. The version counter does not see a write through ``.data``, ``.numpy()``, DLPack or
+the storage (review finding: an inf written so went into the update); so once the shard was
+handed out (``sz.grad_shard``, ``shard_exposed``) the whole shard is checked at every step.
+Nothing else hands out views of the shard before the reduction point: the segments' ``.grad``
+is set only after it, for the per-segment step, and cleared with the window.
 
 [Note: cached views]
 A step makes thousands of small copies between rows of bucket buffers, parameters and
@@ -108,6 +112,7 @@ class ShardStorage:
                                             device=self.grad_shard.device)
         self.checked: set[int] = set()
         self.checked_version = -1
+        self.shard_exposed = False  # handed out (sz.grad_shard): the checks are not enough
 
     # ---- slots and segments ----------------------------------------------------------------
 
@@ -261,7 +266,8 @@ class ShardStorage:
     def nonfinite(self) -> torch.Tensor:
         """0-dim bool on the device: does the reduced shard hold an inf or NaN? From the
         buckets' own checks where they cover it ([Note: checked buckets])."""
-        if not self.stale and self.grad_shard._version == self.checked_version and \
+        if not self.stale and not self.shard_exposed and \
+                self.grad_shard._version == self.checked_version and \
                 len(self.checked) == len(self.runs):
             return self.bucket_nonfinite.any()
         return holds_nonfinite(self.grad_shard)
