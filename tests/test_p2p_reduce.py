@@ -83,46 +83,6 @@ def test_each_rank_gets_its_row_of_the_sum_with_reductions_in_flight(world: int)
             assert all(value["bitwise_vs_all_reduce"]), value
 
 
-def _reduce_into(rank: int, world: int) -> list[dict[str, bool]]:
-    """Each buffer reduced twice, in flight together: in place, and ``into`` views of another
-    tensor (runs with gaps between them and padding after: what a bucket's row maps to the
-    gradient shard) in reverse order of the runs' targets."""
-    comm = Communicator.create(list(range(world)), timeout_s=60, device=torch.device("cpu"))
-    comm.reserve_reduce_scratch(world * max(_EVEN))
-    assert comm.reduces_into
-    jobs = []
-    for seed, row in enumerate(_EVEN + [3 * 4099]):
-        plain = _contribution(rank, world * row, seed)
-        other, pristine = plain.clone(), plain.clone()
-        # runs: [0, a) and [b, c) of the row, written to the end and the start of ``shard``
-        a, b, c = row // 3, row // 3 + row // 5, row - row // 7
-        shard = torch.full((a + c - b,), float("nan"))
-        into = [(0, shard[c - b:]), (b, shard[:c - b])] if a else [(b, shard[:c - b])]
-        jobs.append((plain, other, pristine, shard, into, (a, b, c),
-                     comm.reduce_scatter_rows(plain, None),
-                     comm.reduce_scatter_rows(other, None, into)))
-    out = []
-    for plain, other, pristine, shard, into, (a, b, c), in_place, into_work in jobs:
-        mine = in_place.wait()
-        into_work.wait()
-        row = plain.numel() // world
-        want = torch.cat([mine[b:c], mine[:a]])
-        out.append({"bitwise": torch.equal(shard.view(torch.int32), want.view(torch.int32)),
-                    "buffer_untouched": torch.equal(other.view(torch.int32),
-                                                    pristine.view(torch.int32)),
-                    "row": row > 0})
-    return out
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_reduction_into_the_shard_writes_the_same_sums_and_leaves_its_buffer(world: int
-                                                                               ) -> None:
-    """[Note: into the shard]: the sums of the named runs, bit for bit those of the reduction
-    in place (the same order of the sum), land in the views; the buffer is not written."""
-    for value in all_values(run_ranks(_reduce_into, world, timeout=120)):
-        assert value and all(all(v.values()) for v in value), value
-
-
 def test_the_receive_temporary_is_an_eighth_of_a_bucket() -> None:
     for world in (2, 3, 4, 8, 16):
         for numel in (1, 100, 25 << 18, 12_345_679):

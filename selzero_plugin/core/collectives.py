@@ -35,18 +35,6 @@ a block of its own. Their results: zeros where every rank
 contributed zeros (every rank skipped the layer; written into the shard, so it holds no stale
 values), and values that are never used otherwise (the window is dropped on every rank). Several
 in-place reductions of one buffer at a time race only on those values.
-
-[Note: into the shard]
-A bucket's first reduction of a window would be copied, row ``rank`` into the gradient shard,
-when it is finished. Where the communicator can (gloo's point-to-point reduction: [Note: p2p
-reduce-scatter]) the launch instead names the shard views of the row's runs, and the sums are
-written there as they are made, on the reduction's thread; finishing then only records the
-bucket as written. Decided at launch: whether it is the window's first reduction of the bucket
-cannot change before it is finished (the window is forgotten only with nothing pending, and a
-bucket is launched once per micro-step, every launch finished at the micro-step's end). Its
-shard range is written by nothing else meanwhile (a later micro-step's reduction of the bucket
-adds there after this one is finished). Scratch launches and later micro-steps' reductions are
-copied or added as before. The bits are the same: the same sums in the same order.
 """
 
 from __future__ import annotations
@@ -69,7 +57,6 @@ __all__ = ["BucketCollectives", "BufferPool", "PATIENCE_S"]
 
 _FP32 = torch.float32
 PATIENCE_S = 2.0  # how long a gloo rank waits for early launches before taking another block
-MAX_INTO_RUNS = 16  # a bucket whose row reaches the shard in more runs is copied there
 logger = logging.getLogger("selzero_plugin")
 
 
@@ -145,7 +132,6 @@ class _Launched:
     buffer: torch.Tensor  # 1D, N rows
     scratch: bool = False  # a view of a shared zero buffer ([Note: scratch launches])
     discarded: bool = False  # a dead micro-step's: its result is never used (launch_rest_now)
-    into_shard: bool = False  # reduced straight into the gradient shard ([Note: into the shard])
 
 
 class BucketCollectives:
@@ -279,15 +265,10 @@ class BucketCollectives:
             buffer.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
         self.filled[b] = set()
-        into, flag = None, None
-        if self.comm.reduces_into and self.storage.first_write(b) and \
-                len(self.storage.runs[b]) <= MAX_INTO_RUNS:  # [Note: into the shard]
-            into, flag = self.storage.shard_targets(b), self.storage.bucket_nonfinite[b]
         self.comm.what = self.labels["gradient"][b]
         try:
             self.pending.append(_Launched(b, self.comm.reduce_scatter_rows(
-                buffer, self.layout.buckets[b].row_numels or None, into, flag), buffer,
-                into_shard=into is not None))
+                buffer, self.layout.buckets[b].row_numels or None), buffer))
         finally:
             self.comm.what = ""
 
@@ -363,10 +344,7 @@ class BucketCollectives:
         self.pending.remove(launched)
         b, buffer = launched.bucket, launched.buffer
         row = launched.work.wait()
-        if launched.into_shard:  # the sums are in the shard already, checked
-            first = self.storage.mark_written(b, checked=True)
-            assert first, "a reduction into the shard is the bucket's first of the window"
-        elif not launched.discarded:
+        if not launched.discarded:
             self.storage.accumulate(b, row)
         storage = buffer.untyped_storage()
         if not launched.scratch or not any(p.buffer.untyped_storage().data_ptr() ==

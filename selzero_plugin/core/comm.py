@@ -376,9 +376,7 @@ class Communicator:
             self._p2p_temp = torch.empty(need, dtype=torch.float32, device=self.device)
         return self._p2p_temp
 
-    def _reduce_p2p(self, buffer: torch.Tensor, rows: tuple[int, ...] | None,
-                    into: list[tuple[int, torch.Tensor]] | None = None,
-                    flag: torch.Tensor | None = None) -> RowWork:
+    def _reduce_p2p(self, buffer: torch.Tensor, rows: tuple[int, ...] | None) -> RowWork:
         piece = p2p.piece_numel(buffer.numel(), self.size)
         temp = self._p2p_scratch(buffer.numel())[:p2p.temp_numel(buffer.numel(), self.size)]
         parts = self._rows(buffer, rows)
@@ -386,36 +384,24 @@ class Communicator:
         pieces = max(-(-part.numel() // piece) for part in parts)
         self._p2p_tag = (tag + pieces) % p2p.TAG_SPACE
         job = p2p.P2PReduceScatter(self.group, self.rank, parts,
-                                   temp.view(self.size - 1, p2p.SLOTS, piece), tag, piece,
-                                   into, flag)
+                                   temp.view(self.size - 1, p2p.SLOTS, piece), tag, piece)
         if self._driver is None or not self._driver.submit(job):  # none yet, or closed
             self._driver = p2p.Driver(f"{p2p.DRIVER_PREFIX}-{self.label}", self.timeout_s)
             weakref.finalize(self, self._driver.close)  # the thread ends with this communicator
             self._driver.submit(job)
         return _Guarded(job, self, "reduce_scatter", buffer)
 
-    @property
-    def reduces_into(self) -> bool:
-        """Can ``reduce_scatter_rows`` write the sums straight into views the caller names
-        (``into``; the point-to-point reduction: [Note: p2p reduce-scatter])?"""
-        return self.p2p
-
-    def reduce_scatter_rows(self, buffer: torch.Tensor, rows: tuple[int, ...] | None = None,
-                            into: list[tuple[int, torch.Tensor]] | None = None,
-                            flag: torch.Tensor | None = None) -> RowWork:
+    def reduce_scatter_rows(self, buffer: torch.Tensor,
+                            rows: tuple[int, ...] | None = None) -> RowWork:
         """Launch the SUM reduction of ``buffer`` (N rank-major rows; ``rows``: their uneven
         lengths, [Note: whole-tensor layout]); ``wait()`` returns row ``rank`` of the result.
-        ``buffer`` must stay untouched until then. ``into`` (only where ``reduces_into``):
-        (offset in row ``rank``, 1-D view) pairs, ascending and disjoint; the sums of those
-        positions are written to the views, and row ``rank`` is not written; ``flag`` (0-dim
-        bool) is then set to whether they hold an inf or NaN."""
+        ``buffer`` must stay untouched until then."""
         self._record("reduce_scatter", buffer)
         mine = self._row(buffer, rows, self.rank)
-        assert into is None or (self.p2p and buffer.dtype == torch.float32)
         if self.size == 1:
             return _Done(mine)
         if self.p2p and buffer.dtype == torch.float32:
-            return self._reduce_p2p(buffer, rows, into, flag)
+            return self._reduce_p2p(buffer, rows)
         if self.emulate:
             return _Rows(self._async("reduce_scatter", buffer, lambda: dist.all_reduce(
                 buffer, group=self.group, async_op=True)), mine)

@@ -15,15 +15,6 @@ way:
   and adds each into row r, peers in ascending rank order (a fixed order of the sum: at N = 2
   the result equals the all-reduce's bitwise; at N > 2 it may differ in the last bit, as any
   other order of the sum would).
-- *into the shard*: when the caller passes ``into`` (the row's runs of real elements and the
-  gradient-shard views they go to: a bucket's first reduction of the window, whose row the
-  caller would only copy there), the sums go straight to those views instead (row r's piece
-  plus the first peer's, written there; the later peers' added there: the same order, the same
-  bits), and row r is left as it was. This saves the copy of the row into the shard, one pass
-  over a rank's share of the bucket in the training thread (5.2 ms per step on workload f,
-  8.4M elements per rank). Positions of the row in no run (padding) are then not summed at
-  all: nothing reads them. Each piece's sums are then checked for inf/NaN while in cache, the
-  result in ``flag`` ([Note: checked buckets] in storage.py).
 
 Memory: the temporary holds at most an eighth of the bucket (``temp_numel``); it is allocated
 once, on the training thread, beside the pooled bucket blocks ([Note: buffer pool]), and counts
@@ -50,6 +41,13 @@ collectives] in comm.py). At interpreter exit selzero waits for every driver's r
 torch at shutdown ([Note: work objects at exit]; ``Driver``). A rank whose backward raised and
 that exits therefore leaves once its peers have launched the reductions it launched, or failed.
 
+Keep the driver's loop minimal: whatever it does between a piece's arrival and posting the
+next receive delays the transfer on both ranks. Measured and not taken (``bench.py --workloads
+f --modes ddp,selzero --rounds 1``, four rounds each, interleaved): writing a bucket's first
+sums straight into the gradient shard instead of into its row (saving the training thread's copy
+of the row, 5 ms a step) took f from 0.88 to 0.915 of DDP's step time, and checking each piece
+for inf/NaN there as well (saving the reduction point's pass over the shard) to 0.935.
+
 The GIL: the driver takes it for a few microseconds per piece. While the training thread runs
 Python for long stretches (a Python autograd Function's backward) a piece can wait for it
 (``sys.getswitchinterval()``, 5 ms); in a backward of torch's own ops it is released most of the
@@ -68,7 +66,6 @@ import torch
 
 from ..config import ENV_GLOO_REDUCE
 from ..errors import UsageError
-from .storage import holds_nonfinite
 
 __all__ = ["Driver", "P2PReduceScatter", "SLOTS", "MAX_P2P_WORLD", "piece_numel", "temp_numel"]
 
@@ -111,28 +108,13 @@ def _bounds(length: int, piece: int) -> list[tuple[int, int]]:
     return [(a, min(length, a + piece)) for a in range(0, length, piece)]
 
 
-def _overlaps(into: list[tuple[int, torch.Tensor]], a: int, b: int
-              ) -> list[tuple[int, int, torch.Tensor]]:
-    """(lo, hi, the view's part) for each run of ``into`` that meets row positions [a, b)."""
-    out = []
-    for offset, view in into:
-        lo, hi = max(a, offset), min(b, offset + view.numel())
-        if lo < hi:
-            out.append((lo, hi, view[lo - offset:hi - offset]))
-    return out
-
-
 class P2PReduceScatter:
     """One bucket's reduction, run by a ``Driver``; ``wait()`` returns this rank's row."""
 
     def __init__(self, group: Any, rank: int, rows: list[torch.Tensor], temp: torch.Tensor,
-                 tag: int, piece: int,
-                 into: list[tuple[int, torch.Tensor]] | None = None,
-                 flag: torch.Tensor | None = None) -> None:
+                 tag: int, piece: int) -> None:
         self._group, self._rank, self._rows, self._temp = group, rank, rows, temp
         self._tag, self._piece = tag, piece
-        self._into = into  # (offset in row r, 1-D view it goes to), ascending and disjoint
-        self._flag = flag  # with ``into``: set to whether the sums hold an inf or NaN
         self.row = rows[rank]
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -144,7 +126,7 @@ class P2PReduceScatter:
         except BaseException as e:  # noqa: BLE001 - handed to the training thread's wait()
             self.error = e
         finally:
-            self._rows, self._into, self._flag = [], None, None  # (no view of buffer, shard)
+            self._rows = []  # the driver keeps no view of the buffer
             self._done.set()
 
     def _run(self) -> None:
@@ -166,26 +148,12 @@ class P2PReduceScatter:
 
         for i in range(min(SLOTS, len(pieces))):
             post(i)
-        into, nonfinite = self._into, False
         for i, (a, b) in enumerate(pieces):
-            parts = None if into is None else _overlaps(into, a, b)
             for k, work in enumerate(posted.pop(i)):
                 work.wait()
-                received = temp[k, i % SLOTS, :b - a]
-                if parts is None:
-                    mine[a:b].add_(received)
-                    continue
-                for lo, hi, target in parts:  # into the shard: the same sums, elsewhere
-                    if k == 0:
-                        torch.add(mine[lo:hi], received[lo - a:hi - a], out=target)
-                    else:
-                        target.add_(received[lo - a:hi - a])
-                    if k == size - 2 and not nonfinite:  # the piece's sums, still in cache
-                        nonfinite = bool(holds_nonfinite(target))
+                mine[a:b].add_(temp[k, i % SLOTS, :b - a])
             if i + SLOTS < len(pieces):
                 post(i + SLOTS)
-        if self._flag is not None:
-            self._flag.fill_(nonfinite)
         for work in sends:
             work.wait()
 

@@ -17,21 +17,6 @@ All of it lives on the selected parameters' device. ``grad_shard`` accumulates t
 of successive micro-steps; ``stale`` marks that it still holds a finished window's values, so the
 first reduced row of the next window overwrites instead of adding.
 
-[Note: checked buckets]
-The reduction point asks whether the shard holds an inf or NaN (``nonfinite``): a pass over the
-whole shard, 4 ms of the training thread per step on workload f. A reduction written into the
-shard ([Note: into the shard] in collectives.py) checks each piece instead, right after the
-piece's last addition, while it is still in cache, on the reduction's thread; its bucket is then
-*checked*, with its flag in ``bucket_nonfinite``. ``nonfinite`` uses the flags alone when every
-bucket is checked and nothing wrote the shard since the last one was finished (the shard's
-version counter, which every in-place write through it or a view of it moves, is the one seen
-then): a later micro-step's addition or a copied row makes it check the whole shard, as
-before. The version counter does not see a write through ``.data``, ``.numpy()``, DLPack or
-the storage (review finding: an inf written so went into the update); so once the shard was
-handed out (``sz.grad_shard``, ``shard_exposed``) the whole shard is checked at every step.
-Nothing else hands out views of the shard before the reduction point: the segments' ``.grad``
-is set only after it, for the per-segment step, and cleared with the window.
-
 [Note: cached views]
 A step makes thousands of small copies between rows of bucket buffers, parameters and
 segments; on a model of many small experts building their views (a slice costs ~4 us in
@@ -106,13 +91,6 @@ class ShardStorage:
         self.generation = 0  # counts rebinds that moved a segment (views of it are stale)
         self.written: set[int] = set()  # buckets accumulated since the window began
         self.stale = True
-        # [Note: checked buckets]: per bucket, does its reduced row hold an inf or NaN, valid
-        # for the buckets in ``checked`` while the shard's version is ``checked_version``
-        self.bucket_nonfinite = torch.zeros(len(layout.buckets), dtype=torch.bool,
-                                            device=self.grad_shard.device)
-        self.checked: set[int] = set()
-        self.checked_version = -1
-        self.shard_exposed = False  # handed out (sz.grad_shard): the checks are not enough
 
     # ---- slots and segments ----------------------------------------------------------------
 
@@ -170,35 +148,13 @@ class ShardStorage:
 
     # ---- reduced rows in, updated rows out -------------------------------------------------
 
-    def first_write(self, bucket: int) -> bool:
-        """Will ``bucket``'s next reduced row be the window's first (copied, not added)?"""
-        return self.stale or bucket not in self.written
-
-    def shard_targets(self, bucket: int) -> list[tuple[int, torch.Tensor]]:
-        """(offset in the bucket's row, gradient-shard view) for each run of the row's real
-        elements: where a first reduced row goes (``write_into``)."""
-        return [(row_offset, self.grad_shard[shard_offset:shard_offset + numel])
-                for row_offset, shard_offset, numel in self.runs[bucket]]
-
-    def mark_written(self, bucket: int, *, checked: bool = False) -> bool:
-        """Record that ``bucket``'s reduced row joined the window; was it the first?
-        ``checked``: it was written into the shard with its flag in ``bucket_nonfinite``
-        ([Note: checked buckets])."""
+    def accumulate(self, bucket: int, row: torch.Tensor) -> None:
+        """Add this rank's reduced row of ``bucket`` into the gradient shard."""
         if self.stale:  # a new window: each bucket's first row is copied, not added to zeros
             self.written.clear()
-            self.checked.clear()
             self.stale = False
         first = bucket not in self.written
         self.written.add(bucket)
-        self.checked.discard(bucket)
-        if checked and first:
-            self.checked.add(bucket)
-            self.checked_version = self.grad_shard._version
-        return first
-
-    def accumulate(self, bucket: int, row: torch.Tensor) -> None:
-        """Add this rank's reduced row of ``bucket`` into the gradient shard."""
-        first = self.mark_written(bucket)
         for row_offset, shard_offset, numel in self.runs[bucket]:
             target = self.grad_shard[shard_offset:shard_offset + numel]
             if first:
@@ -264,12 +220,7 @@ class ShardStorage:
     # ---- checks and accounting -------------------------------------------------------------
 
     def nonfinite(self) -> torch.Tensor:
-        """0-dim bool on the device: does the reduced shard hold an inf or NaN? From the
-        buckets' own checks where they cover it ([Note: checked buckets])."""
-        if not self.stale and not self.shard_exposed and \
-                self.grad_shard._version == self.checked_version and \
-                len(self.checked) == len(self.runs):
-            return self.bucket_nonfinite.any()
+        """0-dim bool on the device: does the reduced shard hold an inf or NaN?"""
         return holds_nonfinite(self.grad_shard)
 
     def nonfinite_virtuals(self) -> list[int]:

@@ -351,10 +351,6 @@ class SelectedZero2:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        """This rank's reduced gradient shard (FP32, 1-D). Once handed out, the reduction point
-        checks the whole shard for inf/NaN at every step ([Note: checked buckets]): a write
-        through ``.data``, ``.numpy()`` or DLPack moves no version counter."""
-        self.storage.shard_exposed = True
         return self.storage.grad_shard
 
     @property
