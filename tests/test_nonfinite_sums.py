@@ -90,3 +90,68 @@ def test_nonfinite_sums_are_found_on_every_rank_and_skip_the_step(world: int) ->
                      "user_write", "user_write_data", "user_write_numpy"):
             assert value[case]["updated"] == 0 and value[case]["skipped_nonfinite"] == EXPERTS \
                 and not any(value[case]["changed"]), (case, value[case])
+
+
+def _scaled_overflow(rank: int, world: int) -> dict[str, Any]:
+    """A loss scale backed off below 1 (inv_scale 1024): the scaled gradients and their sum
+    over ranks and two micro-steps are finite, the unscaled ones are not (2 x 2e38). torch's
+    GradScaler, which checks after unscaling, skips such a step; so must selzero."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.experts = nn.ModuleList(nn.Linear(SHAPE[1], SHAPE[0], bias=False) for _ in range(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sz = SelectedZero2(model, SelZeroConfig(params=["experts.*"]), opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** -10)
+    before = [e.weight.detach().clone() for e in model.experts]
+    for micro in range(2):
+        loss = sum((e.weight * torch.full(SHAPE, 2e38)).sum() for e in model.experts)
+        scaler.scale(loss).backward()
+        if micro == 0:
+            sz.end_microstep()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    result = sz.step()
+    out = {"updated": result.updated, "skipped_nonfinite": result.skipped_nonfinite,
+           "unchanged": all(torch.equal(b, e.weight) for b, e in zip(before, model.experts)),
+           "scale": scaler.get_scale()}
+    sz.remove_hooks()
+    return out
+
+
+def test_a_gradient_that_overflows_only_when_unscaled_skips_the_step_with_the_scaler() -> None:
+    for value in all_values(run_ranks(_scaled_overflow, 2, timeout=120)):
+        assert value == {"updated": 0, "skipped_nonfinite": 2, "unchanged": True,
+                         "scale": 2.0 ** -11}, value
+
+
+def _late_overflow(rank: int, world: int) -> dict[str, Any]:
+    """An expert also applied outside its launch unit (test_late_gradients.py's ``shared``):
+    its whole gradient is late, reduced after the agreement. 2e38 on each rank is finite (the
+    agreement checks each rank's late gradients); the sum is not."""
+    from .test_late_gradients import LAYERS, OPT, SharedExpertMoE
+    from ._blocks import block_loss
+
+    torch.manual_seed(0)
+    model = SharedExpertMoE(layers=LAYERS)
+    sz = SelectedZero2(model, SelZeroConfig(params=["*"], bucket_mb=1e-3, nonfinite="skip"),
+                       OPT[0], OPT[1])
+    weight = model.blocks[2].experts[0].w1.weight
+    hook = weight.register_hook(lambda g: torch.full_like(g, 2e38))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    block_loss(model, 0, rank, layers=LAYERS).backward()
+    result = sz.step()
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    hook.remove()
+    block_loss(model, 1, rank, layers=LAYERS).backward()
+    after = sz.step()
+    sz.remove_hooks()
+    return {"updated": result.updated, "skipped_nonfinite": result.skipped_nonfinite > 0,
+            "late": bool(sz.window.deferred), "unchanged": unchanged,
+            "next_updated": after.updated > 0}
+
+
+def test_late_gradients_whose_sum_overflows_skip_the_step() -> None:
+    for value in all_values(run_ranks(_late_overflow, 2, timeout=120)):
+        assert value == {"updated": 0, "skipped_nonfinite": True, "late": True,
+                         "unchanged": True, "next_updated": True}, value

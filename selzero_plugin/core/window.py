@@ -895,6 +895,17 @@ class ReductionWindow:
                                              for t in self.layout.buckets[b].entries
                                              if t in self.late_grads})
         assert not self.late_grads, "every late gradient is in an agreed bucket"
+        # the agreement checked each rank's late gradients, not their sums: finite on every
+        # rank, they may overflow summed (review finding). The buckets are agreed: every rank
+        # checks its share of them and all agree on the result
+        shard = self.storage.grad_shard
+        found = torch.zeros(1, dtype=_I64, device=self.comm.device)
+        for b in buckets:
+            for _, offset, numel in self.storage.runs[b]:
+                found |= holds_nonfinite(shard[offset:offset + numel]).reshape(1).to(_I64)
+        self.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        if int(found) and not values[self.control.nonfinite.start]:
+            values[self.control.nonfinite.start] = 1
         new = [b for b in buckets if b not in self.deferred]
         self.deferred.update(buckets)
         if new and self.comm.rank == 0:

@@ -46,7 +46,7 @@ from .optim import (ELEMENTWISE, GroupPlan, SegmentOptimizer, build_optimizer, c
 from .ownership import optimizer_cost, plan_tensor_owners
 from .report import MemoryReport, StepResult
 from .selection import SelectedEntry, resolve_selection
-from .storage import ShardStorage
+from .storage import ShardStorage, holds_nonfinite
 from .units import Units, resolve_units
 from .view import Chunk, ShardView
 from .window import ReductionWindow, WindowState
@@ -521,7 +521,17 @@ class SelectedZero2:
                 window.decision.nonfinite = True
                 window.skip_update()
         window.unscaled = True
-        self.storage.grad_shard.mul_(inv_scale.to(device))
+        inv_scale = inv_scale.to(device)
+        self.storage.grad_shard.mul_(inv_scale)
+        # a scale backed off below 1 multiplies: a finite gradient may overflow only now
+        # (review finding); torch's scaler checks after unscaling too. Every rank all-reduces
+        # (a rank's own inv_scale decides only whether it looks)
+        late = holds_nonfinite(self.storage.grad_shard).reshape(1).to(torch.float32) \
+            if float(inv_scale) > 1.0 else torch.zeros(1, dtype=torch.float32, device=device)
+        self.comm.all_reduce(late, op=dist.ReduceOp.MAX)
+        if float(late) > 0 and not window.decision.nonfinite:
+            window.decision.nonfinite = True
+            window.skip_update()
         return torch.full((), float(window.decision.nonfinite), dtype=torch.float32,
                           device=device)
 
