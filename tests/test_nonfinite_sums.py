@@ -95,7 +95,9 @@ def test_nonfinite_sums_are_found_on_every_rank_and_skip_the_step(world: int) ->
 def _scaled_overflow(rank: int, world: int) -> dict[str, Any]:
     """A loss scale backed off below 1 (inv_scale 1024): the scaled gradients and their sum
     over ranks and two micro-steps are finite, the unscaled ones are not (2 x 2e38). torch's
-    GradScaler, which checks after unscaling, skips such a step; so must selzero."""
+    GradScaler checks each value before it multiplies and would write the inf into its
+    parameters; selzero must not write it into the experts: it skips, and the scaler backs
+    off."""
     torch.manual_seed(0)
     model = nn.Module()
     model.experts = nn.ModuleList(nn.Linear(SHAPE[1], SHAPE[0], bias=False) for _ in range(2))
@@ -155,3 +157,44 @@ def test_late_gradients_whose_sum_overflows_skip_the_step() -> None:
     for value in all_values(run_ranks(_late_overflow, 2, timeout=120)):
         assert value == {"updated": 0, "skipped_nonfinite": True, "late": True,
                          "unchanged": True, "next_updated": True}, value
+
+
+def _late_overflow_normalized(rank: int, world: int, fill: float) -> dict[str, Any]:
+    """World 3: groups [0, 1] and [2], ``reduction="weighted"``, ``normalize_over="world"``,
+    ``nonfinite="error"``. Group [0, 1]'s late gradients are ``fill`` on each rank."""
+    import torch.distributed as dist
+
+    from ._blocks import block_loss
+    from .test_late_gradients import LAYERS, OPT, SharedExpertMoE
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]
+    torch.manual_seed(0)
+    model = SharedExpertMoE(layers=LAYERS)
+    sz = SelectedZero2(model, SelZeroConfig(params=["*"], bucket_mb=1e-3, nonfinite="error",
+                                            reduction="weighted", normalize_over="world"),
+                       OPT[0], OPT[1], group=groups[0] if rank < 2 else groups[1])
+    weight = model.blocks[2].experts[0].w1.weight
+    hook = weight.register_hook(lambda g: torch.full_like(g, fill)) if rank < 2 else None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    block_loss(model, 0, rank, layers=LAYERS).backward()
+    try:
+        sz.step(weight=6)
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the outcome is compared
+        error = type(e).__name__ + ("/another group" if "another group" in str(e) else "")
+    changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    if hook is not None:
+        hook.remove()
+    sz.remove_hooks()
+    return {"error": error, "changed": changed}
+
+
+@pytest.mark.parametrize("fill", [2e38, float("inf")])
+def test_a_groups_nonfinite_late_sum_raises_there_and_drops_the_other_groups_window(fill):
+    """Review findings: an overflow found only in the late sums was raised in its group while
+    the other normalize_over group updated; and a failed group of two ranks raised "another
+    group failed" on both instead of its own error."""
+    values = all_values(run_ranks(_late_overflow_normalized, 3, fill, timeout=150))
+    assert [v["error"] for v in values] == ["NonFiniteGradientError", "NonFiniteGradientError",
+                                            "UsageError/another group"], values
+    assert all(v["changed"] == 0 for v in values), values

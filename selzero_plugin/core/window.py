@@ -761,6 +761,9 @@ class ReductionWindow:
                                            from_step)
         skip_nonfinite = self.scaled
         error = self._disagreement(values)
+        if error is None:  # the late gradients' sums join ``values`` before anything is sent
+            self._reduce_late(values)  # beyond the group (review finding: an overflow in them
+            # was raised in this group only, the other normalize_over groups updated)
         c = self.control
         mode = self.config.reduction
         if mode == "weighted" and self.normalize_weight is not None:
@@ -780,7 +783,7 @@ class ReductionWindow:
         else:
             global_weight = values[c.active.start]
         self._raise_agreed(error)
-        self._after_agreement(values)
+        self._follow_launch_order(values)  # (_after_agreement, the late reductions done above)
         expected = values[c.active.start] if mode == "sum" else self.comm.size
         decision = self._decide(global_weight, values[c.presence], values[c.nonfinite.start],
                                 expected, skip_nonfinite=skip_nonfinite)

@@ -301,7 +301,9 @@ class SelectedZero2:
         total = torch.stack([weight.reshape(()), torch.tensor(int(failed), device=weight.device)])
         self._normalize_comm.all_reduce(total)
         count, failures = total.tolist()
-        return count, failures > int(failed)
+        # a failure is agreed within the group: a failed rank's group counts its size
+        # (review finding: counting one made every rank of a failed group of 2+ blame another)
+        return count, failures > (self.comm.size if failed else 0)
 
     def _control_communicator(self) -> Communicator:
         """A second communicator over the group, for agreements while bucket collectives may
@@ -524,7 +526,8 @@ class SelectedZero2:
         inv_scale = inv_scale.to(device)
         self.storage.grad_shard.mul_(inv_scale)
         # a scale backed off below 1 multiplies: a finite gradient may overflow only now
-        # (review finding); torch's scaler checks after unscaling too. Every rank all-reduces
+        # (review finding). torch's scaler does not see that (it checks each value before it
+        # multiplies) and would write the inf; selzero skips instead. Every rank all-reduces
         # (a rank's own inv_scale decides only whether it looks)
         late = holds_nonfinite(self.storage.grad_shard).reshape(1).to(torch.float32) \
             if float(inv_scale) > 1.0 else torch.zeros(1, dtype=torch.float32, device=device)
