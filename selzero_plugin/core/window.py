@@ -771,7 +771,8 @@ class ReductionWindow:
             # other groups of the normalize_over ranks learn it instead of waiting
             fails = error is not None or self._decide_would_raise(values, skip_nonfinite)
             global_weight, others_failed = self.normalize_weight(local_weight, fails)
-            if error is None and others_failed and global_weight > 0:
+            if error is None and others_failed and not fails and global_weight > 0:
+                # (a group that fails itself raises its own error: review finding)
                 error = UsageError(
                     f"[rank {self.comm.rank}/{self.comm.size}] reduce_gradients() failed on "
                     "another group of the normalize_over ranks (its ranks raised the reason); "
