@@ -107,7 +107,7 @@ _ARG_NONE, _ARG_WEIGHT, _ARG_ACTIVE = 0, 1, 2
 _ERR_NONE, _ERR_ARG_NOT_ACCEPTED, _ERR_WEIGHT_MISSING, _ERR_BAD_VALUE, _ERR_SCALED = 0, 1, 2, 3, 4
 _ERR_TEXT = {
     _ERR_ARG_NOT_ACCEPTED: "passed an argument its reduction mode does not take",
-    _ERR_WEIGHT_MISSING: "called reduce_gradients/step without weight= under reduction='weighted'",
+    _ERR_WEIGHT_MISSING: "called reduce_gradients/step without weight=",
     _ERR_BAD_VALUE: "passed an invalid value (weight must be an integer >= 0, active a bool)",
 }
 
