@@ -148,9 +148,9 @@ def prepare(accelerator: Any, *objects: Any, config: Any = None, **prepare_kwarg
     cfg = resolve_config(config)
     kind = accelerator.distributed_type
     if str(getattr(accelerator, "mixed_precision", "no")) == "fp16":
-        raise ConfigError("selzero with Accelerate's fp16 mixed precision: the loss scaler's "
-                          "unscale and overflow check do not cover selzero's gradients yet; use "
-                          "--mixed_precision bf16 (or no).")
+        raise ConfigError("selzero with Accelerate's fp16 mixed precision: Accelerate's loss "
+                          "scaling is not tested with selzero (a plain loop's "
+                          "torch.amp.GradScaler is); use --mixed_precision bf16 (or no).")
     if kind == DistributedType.DEEPSPEED:
         import selzero_plugin.deepspeed  # noqa: F401 - the registration does the work
 

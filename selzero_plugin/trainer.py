@@ -113,9 +113,9 @@ class SelectedZero2Callback(_Base):  # type: ignore[misc,valid-type]
                 "of patterns).")
         self.trainer = trainer
         if getattr(args, "fp16", False):
-            raise ConfigError("SelectedZero2Callback with TrainingArguments(fp16=True): the loss "
-                              "scaler's unscale and overflow check do not cover selzero's "
-                              "gradients yet; use bf16=True (or neither).")
+            raise ConfigError("SelectedZero2Callback with TrainingArguments(fp16=True): the "
+                              "Trainer's fp16 loss scaling is not tested with selzero (a plain "
+                              "loop's torch.amp.GradScaler is); use bf16=True (or neither).")
         _warn_fused_experts(trainer.model, self.config)
         if trainer.is_deepspeed_enabled:
             self._via_deepspeed(trainer)
