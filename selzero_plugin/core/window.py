@@ -762,8 +762,9 @@ class ReductionWindow:
         skip_nonfinite = self.scaled
         error = self._disagreement(values)
         if error is None:  # the late gradients' sums join ``values`` before anything is sent
-            self._reduce_late(values)  # beyond the group (review finding: an overflow in them
-            # was raised in this group only, the other normalize_over groups updated)
+            # beyond the group (review finding: an overflow in them was raised in this group
+            # only, the other normalize_over groups updated)
+            self._check_late_sums(values, self._reduce_late(values))
         c = self.control
         mode = self.config.reduction
         if mode == "weighted" and self.normalize_weight is not None:
@@ -886,30 +887,19 @@ class ReductionWindow:
         self._reduce_late(values)
         self._follow_launch_order(values)
 
-    def _reduce_late(self, values: list[int]) -> None:
+    def _reduce_late(self, values: list[int]) -> list[int]:
         """[Note: late gradients]: one more reduction of each bucket that got gradients after
         its launch on any rank, in bucket order; those buckets launch at the end of backward
-        from now on."""
+        from now on. Returns those buckets (agreed: the same on every rank)."""
         late = [t for t, n in enumerate(values[self.control.late]) if n]
         if not late:
-            return
+            return []
         buckets = sorted({self.layout.entry_bucket[t] for t in late})
         for b in buckets:
             self.collectives.reduce_late(b, {t: self.late_grads.pop(t)
                                              for t in self.layout.buckets[b].entries
                                              if t in self.late_grads})
         assert not self.late_grads, "every late gradient is in an agreed bucket"
-        # the agreement checked each rank's late gradients, not their sums: finite on every
-        # rank, they may overflow summed (review finding). The buckets are agreed: every rank
-        # checks its share of them and all agree on the result
-        shard = self.storage.grad_shard
-        found = torch.zeros(1, dtype=_I64, device=self.comm.device)
-        for b in buckets:
-            for _, offset, numel in self.storage.runs[b]:
-                found |= holds_nonfinite(shard[offset:offset + numel]).reshape(1).to(_I64)
-        self.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        if int(found) and not values[self.control.nonfinite.start]:
-            values[self.control.nonfinite.start] = 1
         new = [b for b in buckets if b not in self.deferred]
         self.deferred.update(buckets)
         if new and self.comm.rank == 0:
@@ -921,6 +911,23 @@ class ReductionWindow:
                 "more collective per bucket, and bucket(s) %s launch at the end of backward from "
                 "now on (their full FP32 gradients are held until then).",
                 self.config.name, len(names), names[:3], new)
+        return buckets
+
+    def _check_late_sums(self, values: list[int], buckets: list[int]) -> None:
+        """The agreement checked each rank's late gradients, not their sums: finite on every
+        rank, they may overflow summed (review finding). At the reduction point every rank
+        checks its share of the late ``buckets`` (agreed) and all agree; at end_microstep the
+        reduction point's check of the whole shard covers them."""
+        if not buckets:
+            return
+        shard = self.storage.grad_shard
+        found = torch.zeros(1, dtype=_I64, device=self.comm.device)
+        for b in buckets:
+            for _, offset, numel in self.storage.runs[b]:
+                found |= holds_nonfinite(shard[offset:offset + numel]).reshape(1).to(_I64)
+        self.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        if int(found) and not values[self.control.nonfinite.start]:
+            values[self.control.nonfinite.start] = 1
 
     def _follow_launch_order(self, values: list[int]) -> None:
         """[Note: launch order]: the next micro-step launches buckets in the order group rank

@@ -515,13 +515,10 @@ class SelectedZero2:
         host = torch.zeros((), dtype=torch.float32, device=device) if host_found_inf is None \
             else host_found_inf.detach().reshape(()).to(device=device, dtype=torch.float32)
         if not window.reduced():
-            window.reduce(None, None, host_nonfinite=host)
-        else:  # reduced explicitly before (reduce_gradients(weight=...)): agree on the host's
-            flag = host.reshape(1).clone()
-            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if float(flag) > 0 and not window.decision.nonfinite:
-                window.decision.nonfinite = True
-                window.skip_update()
+            window.reduce(None, None, host_nonfinite=host)  # (the host's flag agreed in it)
+            host = torch.zeros((), dtype=torch.float32, device=device)
+        # else reduced explicitly before (reduce_gradients(weight=...)): the host's flag is
+        # agreed below, with the check after unscaling, in one all-reduce
         window.unscaled = True
         inv_scale = inv_scale.to(device)
         self.storage.grad_shard.mul_(inv_scale)
@@ -529,10 +526,12 @@ class SelectedZero2:
         # (review finding). torch's scaler does not see that (it checks each value before it
         # multiplies) and would write the inf; selzero skips instead. Every rank all-reduces
         # (a rank's own inv_scale decides only whether it looks)
-        late = holds_nonfinite(self.storage.grad_shard).reshape(1).to(torch.float32) \
-            if float(inv_scale) > 1.0 else torch.zeros(1, dtype=torch.float32, device=device)
-        self.comm.all_reduce(late, op=dist.ReduceOp.MAX)
-        if float(late) > 0 and not window.decision.nonfinite:
+        flag = host.reshape(1).clone()
+        if float(inv_scale) > 1.0:
+            flag = torch.maximum(flag, holds_nonfinite(self.storage.grad_shard).reshape(1)
+                                 .to(torch.float32))
+        self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag) > 0 and not window.decision.nonfinite:
             window.decision.nonfinite = True
             window.skip_update()
         return torch.full((), float(window.decision.nonfinite), dtype=torch.float32,
