@@ -771,7 +771,12 @@ class ReductionWindow:
             # a collective beyond the group: reached even when the group fails, so that the
             # other groups of the normalize_over ranks learn it instead of waiting
             fails = error is not None or self._decide_would_raise(values, skip_nonfinite)
-            global_weight, others_failed = self.normalize_weight(local_weight, fails)
+            # a group whose call was invalid sends no weight: a bad tensor weight (negative,
+            # fractional) is only seen after it was read, and must not reach the other groups'
+            # sum (review finding: one rank's weight of -100 made another group update with a
+            # global weight of -82); a group that raises for its values sends its own
+            sent = local_weight if error is None else torch.zeros_like(local_weight)
+            global_weight, others_failed = self.normalize_weight(sent, fails)
             if error is None and others_failed and not fails and global_weight > 0:
                 # (a group that fails itself raises its own error: review finding)
                 error = UsageError(
