@@ -17,8 +17,9 @@ SelectedZero2 is concerned:
   mirrors; without one, an optimizer holding the selected parameters, else one over the model's
   other parameters), ``sz.unscale_`` reduces its
   window (every rank calls ``unscale_`` at the same point), multiplies the shards by the
-  scaler's ``1/scale``, and agrees across the group whether the subset or the host's gradients
-  hold inf/NaN; that flag is added to the optimizer's ``found_inf``, so the scaler skips the
+  scaler's ``1/scale``, and agrees across the group (over every rank when the group is
+  smaller than the world: the host's replicas must all skip or all step) whether the subset
+  or the host's gradients hold inf/NaN; that flag is added to the optimizer's ``found_inf``, so the scaler skips the
   host's step and backs the scale off when the experts overflowed, and selzero's next
   ``step()`` skips when the scaler does (never raising under ``nonfinite="error"``: an overflow
   is the scaler's to handle);

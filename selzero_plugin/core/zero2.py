@@ -509,8 +509,9 @@ class SelectedZero2:
         selzero_plugin/amp.py; every rank of the group calls it): reduce the window if not done
         yet, multiply the reduced shards by ``inv_scale`` (0-dim), and agree across the group
         whether the subset or ``host_found_inf`` (the host optimizer's flag, which the ranks of
-        a sharded host may see differently) holds inf/NaN; if so step() updates nothing.
-        Returns that agreed flag, 0-dim float32 on the device (as GradScaler's found_inf)."""
+        a sharded host may see differently) holds inf/NaN; if so step() updates nothing. An
+        instance whose group is not the world (expert groups) agrees the flag over the world:
+        the host's replicas must all skip or all step. Returns that agreed flag, 0-dim float32 on the device (as GradScaler's found_inf)."""
         window, device = self.window, self.comm.device
         host = torch.zeros((), dtype=torch.float32, device=device) if host_found_inf is None \
             else host_found_inf.detach().reshape(()).to(device=device, dtype=torch.float32)
@@ -530,7 +531,16 @@ class SelectedZero2:
         if float(inv_scale) > 1.0:
             flag = torch.maximum(flag, holds_nonfinite(self.storage.grad_shard).reshape(1)
                                  .to(torch.float32))
-        self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self.spans_world:
+            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        else:
+            # expert groups: the host's replicas span every rank, so the scaler must skip (and
+            # back off) on every rank or none: the flag is agreed over the world, the group's
+            # own decision included (review finding: one group skipped the host's step while
+            # another took it, and the replicas diverged)
+            decided = float(window.decision.nonfinite)
+            flag = torch.maximum(flag, torch.full_like(flag, decided))
+            self.world_communicator().all_reduce(flag, op=dist.ReduceOp.MAX)
         if float(flag) > 0 and not window.decision.nonfinite:
             window.decision.nonfinite = True
             window.skip_update()
