@@ -13,9 +13,11 @@ SelectedZero2 is concerned:
 - ``scale(outputs)`` marks the node it makes; a backward whose roots come from it (wrapped
   ``torch.autograd.backward``, failed_backward.py) marks the micro-steps it opens as scaled, so
   instances that a scaled loss does not reach are left alone;
-- ``unscale_(opt)``: for each scaled instance that ``opt`` concerns (the host optimizer selzero
+- ``unscale_(opt)``: for each instance that ``opt`` concerns (the host optimizer selzero
   mirrors; without one, an optimizer holding the selected parameters, else one over the model's
-  other parameters), ``sz.unscale_`` reduces its
+  other parameters) and whose window holds gradients (scaled, or of any backward: a pipeline
+  stage backwards a gradient received from the stage that scaled the loss, not a ``scale()``
+  output), ``sz.unscale_`` reduces its
   window (every rank calls ``unscale_`` at the same point), multiplies the shards by the
   scaler's ``1/scale``, and agrees across the group (over every rank when the group is
   smaller than the world: the host's replicas must all skip or all step) whether the subset
@@ -42,6 +44,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .core.outer_backward import CURRENT, SCALED_KEY
+from .core.window import WindowState
 from .core.zero2 import SelectedZero2, live_instances
 
 __all__ = ["install"]
@@ -95,7 +98,17 @@ def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
         return any(id(p) in held for p in sz.model.parameters())
 
     return [sz for sz in live_instances()
-            if sz.window.scaled and not sz.window.unscaled and concerns(sz)]
+            if not sz.window.unscaled and _holds_gradients(sz) and concerns(sz)]
+
+
+def _holds_gradients(sz: SelectedZero2) -> bool:
+    """Whether ``sz``'s window holds gradients the scaler's ``unscale_`` must unscale: those
+    of a scaled loss, or any of this window when the caller unscales the optimizer that
+    concerns it (a pipeline stage's ``torch.autograd.backward(out, grad)`` with a gradient
+    received from the stage that scaled the loss: its roots are no ``scale()`` output, yet
+    the gradients are scaled; review finding, they were stepped ``scale`` times too large)."""
+    window = sz.window
+    return window.scaled or window.state is not WindowState.IDLE or bool(window.local)
 
 
 def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer
@@ -107,6 +120,7 @@ def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.O
     found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     inv_scale = scaler._scale.double().reciprocal().float()
     for sz in instances:
+        sz.window.scaled = True  # an overflow is the scaler's to handle: skipped, not raised
         device = sz.comm.device
         host = sum((t.to(device) for t in found.values()),
                    torch.zeros((), dtype=torch.float32, device=device))

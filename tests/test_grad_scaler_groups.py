@@ -1,15 +1,23 @@
-"""A GradScaler with selzero over groups smaller than the world (expert groups).
+"""A GradScaler with selzero over groups smaller than the world (expert groups, pipeline stages).
 
 World 4, selzero over the experts in groups [0, 1] and [2, 3], the other parameters averaged over
 every rank (what DDP does), one ``torch.amp.GradScaler`` per process, and at one step an inf in
 an expert's gradient on rank 1 only. The host's replicas span every rank, so every rank must
 skip that step and back the scale off together: review finding, group [0, 1] skipped while
 group [2, 3] stepped the host and kept its scale, and the host's replicas diverged.
+
+Review findings on that fix: a group that raises inside ``scaler.unscale_`` (a missing gradient
+under ``missing_grad="error"``) must not leave the other groups waiting in the world's
+agreement; groups configured with different ``timeout_s`` must still meet; and two pipeline
+stages, stage 0 backwarding ``torch.autograd.backward(out, grad)`` with the gradient received
+from stage 1 (which scaled the loss), must see stage 0's experts unscaled (they were stepped
+``scale`` times too large).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +25,7 @@ import torch
 
 from selzero_plugin import SelectedZero2, SelZeroConfig
 
-from ._blocks import BlockMoE, block_loss
+from ._blocks import Block, BlockMoE, block_loss
 from ._state import model_state
 from .dist_utils import all_values, run_ranks
 
@@ -27,17 +35,26 @@ LAYERS, STEPS, INF_STEP = 2, 3, 1
 INF_PARAM = "blocks.1.experts.0.w1.weight"  # routed on rank 1 at every step ("uneven")
 
 
-def _run(rank: int, world: int, explicit: bool) -> dict[str, Any]:
+def _expert_groups(rank: int, momentum: float = 0.0, **config: Any
+                   ) -> tuple[BlockMoE, torch.optim.Optimizer, SelectedZero2]:
+    """The model, its SGD host optimizer, and selzero over the experts in group [0, 1] or
+    [2, 3]."""
     import torch.distributed as dist
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     torch.manual_seed(0)
     model = BlockMoE(layers=LAYERS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    config = SelZeroConfig(params=["blocks.*.experts.*"], bucket_mb=1e-3,
-                           reduction="weighted" if explicit else "mean",
-                           normalize_over="world" if explicit else "group")
-    sz = SelectedZero2(model, config, opt, group=groups[rank // 2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"], bucket_mb=1e-3,
+                                            **config), opt, group=groups[rank // 2])
+    return model, opt, sz
+
+
+def _run(rank: int, world: int, explicit: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    model, opt, sz = _expert_groups(rank, 0.9, reduction="weighted" if explicit else "mean",
+                                    normalize_over="world" if explicit else "group")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     scales, updated = [], []
     for step in range(STEPS):
@@ -74,3 +91,108 @@ def test_an_overflow_in_one_expert_group_skips_the_step_and_backs_off_on_every_r
     for v in values[1:]:  # the host's replicas stay equal
         for k, t in values[0]["host"].items():
             assert torch.equal(v["host"][k], t), k
+
+
+def _missing(rank: int, world: int) -> dict[str, Any]:
+    """Group [0, 1] misses an expert's gradient on rank 1 under ``missing_grad="error"``."""
+    model, opt, sz = _expert_groups(rank, normalize_over="world", missing_grad="error",
+                                    timeout_s=60)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    before = model_state(model)
+    scaler.scale(block_loss(model, 0, rank, layers=LAYERS,
+                            pattern="skewed" if rank == 0 else "uneven")).backward()
+    start = time.monotonic()
+    try:
+        scaler.step(opt)
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the outcome is compared
+        error = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
+    changed = [k for k, v in model_state(model).items() if not torch.equal(before[k], v)]
+    sz.remove_hooks()
+    return {"error": error, "seconds": seconds, "changed": changed}
+
+
+def test_a_group_that_raises_inside_unscale_is_an_error_on_every_rank_at_once():
+    values = all_values(run_ranks(_missing, 4, timeout=150))
+    assert [v["error"].split(":")[0] for v in values] == \
+        ["MissingGradientError"] * 2 + ["UsageError"] * 2, values
+    assert all("another group" in v["error"] for v in values[2:]), values
+    assert all(v["seconds"] < 30 and not v["changed"] for v in values), values
+
+
+def _timeouts(rank: int, world: int) -> dict[str, Any]:
+    """Groups [0, 1] and [2, 3] with different ``timeout_s``; one scaled step."""
+    model, opt, sz = _expert_groups(rank, timeout_s=60 if rank < 2 else 70)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(block_loss(model, 0, rank, layers=LAYERS)).backward()
+    scaler.step(opt)
+    scaler.update()
+    updated = sz.step().updated
+    sz.remove_hooks()
+    return {"updated": updated}
+
+
+def test_groups_with_different_timeouts_agree_the_scalers_flag():
+    assert all(v["updated"] > 0 for v in all_values(run_ranks(_timeouts, 4, timeout=150)))
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(7, 7)
+        self.block = Block(3, 7, 13)
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.tanh(self.inp(x)), routes)
+
+
+def _pipeline(rank: int, world: int, scale: float) -> dict[str, Any]:
+    """Stage 0 on ranks [0, 1], stage 1 on [2, 3]; each stage's experts sharded over its
+    data-parallel group, its other parameters averaged over it; 2 steps."""
+    import torch.distributed as dist
+
+    stage, peer = rank // 2, rank % 2
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(stage)
+    model = _Stage()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sz = SelectedZero2(model, SelZeroConfig(params=["block.experts.*"], bucket_mb=1e-3),
+                       opt, group=groups[stage])
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
+    routes = torch.tensor([0, 1, 0, 1, 2, 0])
+    for step in range(2):
+        x = torch.randn(6, 7, generator=torch.Generator().manual_seed(10 * step + peer))
+        if stage == 0:
+            y = model(x, routes)
+            dist.send(y.detach().contiguous(), rank + 2)
+            grad = torch.empty_like(y)
+            dist.recv(grad, rank + 2)
+            torch.autograd.backward(y, grad)
+            scaler.scale(torch.zeros(()))  # (torch's scaler sets its scale at the first scale())
+        else:
+            act = torch.empty(6, 7)
+            dist.recv(act, rank - 2)
+            act.requires_grad_(True)
+            scaler.scale(model(act, routes).pow(2).mean()).backward()
+            dist.send(act.grad.contiguous(), rank - 2)
+        for name, p in model.named_parameters():  # the host: averaged over the stage's group
+            if "experts" not in name and p.grad is not None:
+                dist.all_reduce(p.grad, group=groups[stage])
+                p.grad /= 2
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        sz.step()
+    state = model_state(model)
+    sz.remove_hooks()
+    return state
+
+
+def test_a_pipeline_stage_that_backwards_a_received_gradient_is_unscaled():
+    """The scale is a power of two: the scaled run equals the unscaled one bit for bit."""
+    plain = all_values(run_ranks(_pipeline, 4, 1.0, timeout=150))
+    scaled = all_values(run_ranks(_pipeline, 4, 1024.0, timeout=150))
+    for a, b in zip(plain, scaled):
+        for k, v in a.items():
+            assert torch.equal(v, b[k]), (k, float((v - b[k]).abs().max()))

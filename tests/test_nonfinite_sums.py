@@ -160,11 +160,12 @@ def test_late_gradients_whose_sum_overflows_skip_the_step() -> None:
 
 
 def _late_overflow_normalized(rank: int, world: int, fill: float | None, other: float | None,
-                              bad_weight: bool = False) -> dict[str, Any]:
+                              bad_weight: bool = False, last_weight: int = 6
+                              ) -> dict[str, Any]:
     """World 3: groups [0, 1] and [2], ``reduction="weighted"``, ``normalize_over="world"``,
     ``nonfinite="error"``. Group [0, 1]'s late gradients are ``fill`` on each rank; group
     [2]'s are ``other`` (None: its own). ``bad_weight``: rank 1 passes ``torch.tensor(-100)``
-    as its token count, the others 6."""
+    as its token count, rank 2 ``last_weight``, rank 0 6."""
     import torch.distributed as dist
 
     from ._blocks import block_loss
@@ -183,7 +184,8 @@ def _late_overflow_normalized(rank: int, world: int, fill: float | None, other: 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     block_loss(model, 0, rank, layers=LAYERS).backward()
     try:
-        sz.step(weight=torch.tensor(-100) if bad_weight and rank == 1 else 6)
+        sz.step(weight=torch.tensor(-100) if bad_weight and rank == 1 else
+                last_weight if rank == 2 else 6)
         error = ""
     except Exception as e:  # noqa: BLE001 - the outcome is compared
         error = type(e).__name__ + ("/another group" if "another group" in str(e) else "")
@@ -208,12 +210,15 @@ def test_a_groups_nonfinite_late_sum_raises_there_and_drops_the_other_groups_win
     assert all(v["changed"] == 0 for v in values), values
 
 
-def test_a_negative_tensor_weight_in_one_group_is_not_summed_into_the_other_groups_weight():
-    """Review finding: a tensor weight is validated only after it was read, so group [0, 1]
+@pytest.mark.parametrize("last_weight", [6, 0])
+def test_a_negative_tensor_weight_in_one_group_is_not_summed_into_the_other_groups_weight(
+        last_weight):
+    """Review findings: a tensor weight is validated only after it was read, so group [0, 1]
     raised its error while its -100 went into the normalize_over sum and group [2] updated,
-    undivided, with a global weight of -88. The failed group now sends no weight: group [2]
-    raises "another group failed" and nothing changes."""
-    values = all_values(run_ranks(_late_overflow_normalized, 3, None, None, True, timeout=150))
+    undivided, with a global weight of -88. The failed group now sends no weight, and group [2]
+    raises "another group failed" whatever its own weight (a weight of 0 there let it step)."""
+    values = all_values(run_ranks(_late_overflow_normalized, 3, None, None, True, last_weight,
+                                  timeout=150))
     assert [v["error"] for v in values] == ["UsageError", "UsageError",
                                             "UsageError/another group"], values
     assert all(v["changed"] == 0 for v in values), values

@@ -17,7 +17,7 @@ is the same on every member as long as they create the same groups in the same o
   instance's alone: two instances on one group whose launches came in different orders on
   different ranks could otherwise pair one's reduce-scatter with the other's;
 - groups beyond the instance's group (the ``normalize_over`` ranks, the world for the global
-  norm of expert groups) are shared per (rank set, timeout) by every instance of the process
+  norm of expert groups) are shared per rank set by every instance of the process
   (``shared_group``) and created at first use, at a reduction point every member reaches, so
   ranks that hold different numbers of instances (pipeline stages with different numbers of
   MoE layers) still create each set the same number of times.
@@ -236,13 +236,16 @@ def _selzero_group(ranks: list[int], timeout_s: float, purpose: str) -> Any:
 
 
 def shared_group(ranks: list[int], timeout_s: float) -> Any:
-    """selzero's process group over ``ranks``: created once per process, then shared."""
+    """selzero's process group over ``ranks``: created once per process, then shared. One per
+    rank set, whatever the instances' ``timeout_s`` (the first creator's is the group's): a
+    name that carried it made expert groups configured with different timeouts build
+    different world groups that never met (review finding)."""
     world = dist.group.WORLD
-    key = (id(world), tuple(sorted(ranks)), float(timeout_s))
+    key = (id(world), tuple(sorted(ranks)))
     for stale in [k for k in _GROUPS if k[0] != id(world)]:  # a re-initialized default group
         del _GROUPS[stale]
     if key not in _GROUPS:
-        _GROUPS[key] = _selzero_group(list(key[1]), timeout_s, f"shared-{timeout_s}")
+        _GROUPS[key] = _selzero_group(list(key[1]), timeout_s, "shared")
     return _GROUPS[key]
 
 

@@ -186,7 +186,8 @@ class ReductionWindow:
                  trainable: list[SelectedEntry], frozen: list[SelectedEntry], units: Units,
                  model: nn.Module,
                  normalize_size: int,
-                 normalize_weight: Callable[[torch.Tensor, bool], tuple[int, bool]] | None,
+                 normalize_weight: Callable[[torch.Tensor, bool, bool],
+                                            tuple[int, bool, bool]] | None,
                  control_comm: Callable[[], Communicator], bindings: Bindings) -> None:
         self.config = config
         self.bindings = bindings
@@ -776,8 +777,13 @@ class ReductionWindow:
             # sum (review finding: one rank's weight of -100 made another group update with a
             # global weight of -82); a group that raises for its values sends its own
             sent = local_weight if error is None else torch.zeros_like(local_weight)
-            global_weight, others_failed = self.normalize_weight(sent, fails)
-            if error is None and others_failed and not fails and global_weight > 0:
+            global_weight, others_failed, others_invalid = self.normalize_weight(
+                sent, fails, error is not None)
+            # another group's invalid call raises everywhere, whatever the weights (review
+            # finding: weights summing to 0 elsewhere let those groups step); one that raises
+            # for its values does so only under a positive global weight, and so do the others
+            if error is None and not fails and (others_invalid or
+                                                (others_failed and global_weight > 0)):
                 # (a group that fails itself raises its own error: review finding)
                 error = UsageError(
                     f"[rank {self.comm.rank}/{self.comm.size}] reduce_gradients() failed on "

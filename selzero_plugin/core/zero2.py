@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import SelZeroConfig
-from ..errors import (CheckpointError, ConfigError, NonFiniteGradientError,
+from ..errors import (CheckpointError, CollectiveError, ConfigError, NonFiniteGradientError,
                       OptimizerNotSupportedError, SelectionError, SelZeroError, UsageError)
 from .binding import KINDS, REPLACED, Bindings
 from .collectives import BucketCollectives
@@ -292,18 +292,22 @@ class SelectedZero2:
 
     # ---- communicators beyond the group (created at first use) --------------------------------
 
-    def _sum_over_normalize_ranks(self, weight: torch.Tensor, failed: bool) -> tuple[int, bool]:
-        """(token count summed over the normalize_over ranks, whether any of them failed)."""
+    def _sum_over_normalize_ranks(self, weight: torch.Tensor, failed: bool, invalid: bool
+                                  ) -> tuple[int, bool, bool]:
+        """(token count summed over the normalize_over ranks, whether another group failed,
+        whether another group's call was invalid)."""
         if self._normalize_comm is None:
             self._normalize_comm = Communicator.create(self.normalize_ranks,
                                                        timeout_s=self.config.timeout_s,
                                                        device=self.comm.device, shared=True)
-        total = torch.stack([weight.reshape(()), torch.tensor(int(failed), device=weight.device)])
+        total = torch.stack([weight.reshape(()), torch.tensor(int(failed), device=weight.device),
+                             torch.tensor(int(invalid), device=weight.device)])
         self._normalize_comm.all_reduce(total)
-        count, failures = total.tolist()
+        count, failures, invalids = total.tolist()
         # a failure is agreed within the group: a failed rank's group counts its size
         # (review finding: counting one made every rank of a failed group of 2+ blame another)
-        return count, failures > (self.comm.size if failed else 0)
+        return (count, failures > (self.comm.size if failed else 0),
+                invalids > (self.comm.size if invalid else 0))
 
     def _control_communicator(self) -> Communicator:
         """A second communicator over the group, for agreements while bucket collectives may
@@ -515,33 +519,49 @@ class SelectedZero2:
         window, device = self.window, self.comm.device
         host = torch.zeros((), dtype=torch.float32, device=device) if host_found_inf is None \
             else host_found_inf.detach().reshape(()).to(device=device, dtype=torch.float32)
+        error: SelZeroError | None = None
         if not window.reduced():
-            window.reduce(None, None, host_nonfinite=host)  # (the host's flag agreed in it)
+            try:
+                window.reduce(None, None, host_nonfinite=host)  # (the host's flag agreed in it)
+            except SelZeroError as e:  # agreed within the group; the world must learn it too
+                if self.spans_world or isinstance(e, CollectiveError):
+                    raise
+                error = e
             host = torch.zeros((), dtype=torch.float32, device=device)
         # else reduced explicitly before (reduce_gradients(weight=...)): the host's flag is
         # agreed below, with the check after unscaling, in one all-reduce
-        window.unscaled = True
-        inv_scale = inv_scale.to(device)
-        self.storage.grad_shard.mul_(inv_scale)
-        # a scale backed off below 1 multiplies: a finite gradient may overflow only now
-        # (review finding). torch's scaler does not see that (it checks each value before it
-        # multiplies) and would write the inf; selzero skips instead. Every rank all-reduces
-        # (a rank's own inv_scale decides only whether it looks)
-        flag = host.reshape(1).clone()
-        if float(inv_scale) > 1.0:
-            flag = torch.maximum(flag, holds_nonfinite(self.storage.grad_shard).reshape(1)
-                                 .to(torch.float32))
+        flag = torch.stack([host, torch.zeros_like(host)]).reshape(2)
+        if error is None:
+            window.unscaled = True
+            inv_scale = inv_scale.to(device)
+            self.storage.grad_shard.mul_(inv_scale)
+            # a scale backed off below 1 multiplies: a finite gradient may overflow only now
+            # (review finding). torch's scaler does not see that (it checks each value before
+            # it multiplies) and would write the inf; selzero skips instead. Every rank
+            # all-reduces (a rank's own inv_scale decides only whether it looks)
+            if float(inv_scale) > 1.0:
+                flag[0] = torch.maximum(flag[0], holds_nonfinite(self.storage.grad_shard)
+                                        .to(torch.float32))
         if self.spans_world:
             self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         else:
             # expert groups: the host's replicas span every rank, so the scaler must skip (and
             # back off) on every rank or none: the flag is agreed over the world, the group's
-            # own decision included (review finding: one group skipped the host's step while
-            # another took it, and the replicas diverged)
-            decided = float(window.decision.nonfinite)
-            flag = torch.maximum(flag, torch.full_like(flag, decided))
+            # own decision included, and so is a group's error (review findings: one group
+            # skipped the host's step while another took it, and the replicas diverged; a
+            # group that raised left the others waiting in this all-reduce)
+            flag[0] = torch.maximum(flag[0], torch.tensor(
+                float(error is None and window.decision.nonfinite), device=device))
+            flag[1] = float(error is not None)
             self.world_communicator().all_reduce(flag, op=dist.ReduceOp.MAX)
-        if float(flag) > 0 and not window.decision.nonfinite:
+        if error is not None:
+            raise error
+        if float(flag[1]) > 0:
+            window.fail(UsageError(
+                f"[rank {self.comm.rank}/{self.comm.size}] GradScaler.unscale_: selzero's "
+                "reduction failed on another group (its ranks raised the reason); this group's "
+                "window was dropped too, on every rank."))
+        if float(flag[0]) > 0 and not window.decision.nonfinite:
             window.decision.nonfinite = True
             window.skip_update()
         return torch.full((), float(window.decision.nonfinite), dtype=torch.float32,
