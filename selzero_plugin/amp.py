@@ -15,16 +15,16 @@ SelectedZero2 is concerned:
   instances that a scaled loss does not reach are left alone;
 - ``unscale_(opt)``: for each instance that ``opt`` concerns (the host optimizer selzero
   mirrors; without one, an optimizer holding the selected parameters, else one over the model's
-  other parameters) and whose window holds gradients (scaled, or of any backward: a pipeline
-  stage backwards a gradient received from the stage that scaled the loss, not a ``scale()``
-  output), ``sz.unscale_`` reduces its
-  window (every rank calls ``unscale_`` at the same point), multiplies the shards by the
-  scaler's ``1/scale``, and agrees across the group (over every rank when the group is
-  smaller than the world: the host's replicas must all skip or all step) whether the subset
-  or the host's gradients hold inf/NaN; that flag is added to the optimizer's ``found_inf``, so the scaler skips the
-  host's step and backs the scale off when the experts overflowed, and selzero's next
-  ``step()`` skips when the scaler does (never raising under ``nonfinite="error"``: an overflow
-  is the scaler's to handle);
+  other parameters) and whose window holds gradients (scaled, or a reduced micro-step of any
+  backward: a pipeline stage backwards a gradient received from the stage that scaled the
+  loss, not a ``scale()`` output), ``sz.unscale_`` reduces its window (every rank calls
+  ``unscale_`` at the same point), multiplies the shards by the scaler's ``1/scale``, and
+  agrees across the group (over the ``normalize_over`` ranks when they extend beyond it,
+  expert groups: the host's replicas must all skip or all step) whether the subset or the
+  host's gradients hold inf/NaN; that flag is added to the optimizer's ``found_inf``, so the
+  scaler skips the host's step and backs the scale off when the experts overflowed, and
+  selzero's next ``step()`` skips when the scaler does (never raising under
+  ``nonfinite="error"``: an overflow is the scaler's to handle);
 - ``step(opt)`` unscales first when an instance is concerned (what the torch docs do for
   clipping; fused optimizers then get already-unscaled gradients, as after an explicit
   ``unscale_``);
@@ -106,9 +106,12 @@ def _holds_gradients(sz: SelectedZero2) -> bool:
     of a scaled loss, or any of this window when the caller unscales the optimizer that
     concerns it (a pipeline stage's ``torch.autograd.backward(out, grad)`` with a gradient
     received from the stage that scaled the loss: its roots are no ``scale()`` output, yet
-    the gradients are scaled; review finding, they were stepped ``scale`` times too large)."""
+    the gradients are scaled; review finding, they were stepped ``scale`` times too large).
+    Only a reduced micro-step counts (its state is the same on every rank of the group,
+    whatever the routing); a window of ``no_sync`` gradients alone, unmarked, does not: a rank
+    whose tokens reached no expert holds none (review finding: ranks disagreed and hung)."""
     window = sz.window
-    return window.scaled or window.state is not WindowState.IDLE or bool(window.local)
+    return window.scaled or window.state is not WindowState.IDLE
 
 
 def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer

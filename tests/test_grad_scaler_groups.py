@@ -1,17 +1,20 @@
 """A GradScaler with selzero over groups smaller than the world (expert groups, pipeline stages).
 
-World 4, selzero over the experts in groups [0, 1] and [2, 3], the other parameters averaged over
-every rank (what DDP does), one ``torch.amp.GradScaler`` per process, and at one step an inf in
-an expert's gradient on rank 1 only. The host's replicas span every rank, so every rank must
-skip that step and back the scale off together: review finding, group [0, 1] skipped while
-group [2, 3] stepped the host and kept its scale, and the host's replicas diverged.
+World 4, selzero over the experts in groups [0, 1] and [2, 3] with ``normalize_over="world"``
+(expert groups: their gradients form one average), the other parameters averaged over every rank
+(what DDP does), one ``torch.amp.GradScaler`` per process, and at one step an inf in an expert's
+gradient on rank 1 only. The host's replicas span every rank, so every rank must skip that step
+and back the scale off together: review finding, group [0, 1] skipped while group [2, 3] stepped
+the host and kept its scale, and the host's replicas diverged.
 
 Review findings on that fix: a group that raises inside ``scaler.unscale_`` (a missing gradient
 under ``missing_grad="error"``) must not leave the other groups waiting in the world's
 agreement; groups configured with different ``timeout_s`` must still meet; and two pipeline
 stages, stage 0 backwarding ``torch.autograd.backward(out, grad)`` with the gradient received
 from stage 1 (which scaled the loss), must see stage 0's experts unscaled (they were stepped
-``scale`` times too large).
+``scale`` times too large), also when stage 1 has no MoE (no selzero instance: the stages'
+agreements must not meet, review finding); and ranks of one group whose window holds ``no_sync``
+gradients on one rank only (its tokens reached no expert) must not disagree whether to unscale.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _run(rank: int, world: int, explicit: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     model, opt, sz = _expert_groups(rank, 0.9, reduction="weighted" if explicit else "mean",
-                                    normalize_over="world" if explicit else "group")
+                                    normalize_over="world")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     scales, updated = [], []
     for step in range(STEPS):
@@ -147,9 +150,10 @@ class _Stage(torch.nn.Module):
         return self.block(torch.tanh(self.inp(x)), routes)
 
 
-def _pipeline(rank: int, world: int, scale: float) -> dict[str, Any]:
+def _pipeline(rank: int, world: int, scale: float, moe_stages: int = 2) -> dict[str, Any]:
     """Stage 0 on ranks [0, 1], stage 1 on [2, 3]; each stage's experts sharded over its
-    data-parallel group, its other parameters averaged over it; 2 steps."""
+    data-parallel group, its other parameters averaged over it; 2 steps. ``moe_stages=1``: stage
+    1's experts are plain parameters of its host (no selzero instance there)."""
     import torch.distributed as dist
 
     stage, peer = rank // 2, rank % 2
@@ -158,7 +162,7 @@ def _pipeline(rank: int, world: int, scale: float) -> dict[str, Any]:
     model = _Stage()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sz = SelectedZero2(model, SelZeroConfig(params=["block.experts.*"], bucket_mb=1e-3),
-                       opt, group=groups[stage])
+                       opt, group=groups[stage]) if stage < moe_stages else None
     scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
     routes = torch.tensor([0, 1, 0, 1, 2, 0])
     for step in range(2):
@@ -177,22 +181,65 @@ def _pipeline(rank: int, world: int, scale: float) -> dict[str, Any]:
             scaler.scale(model(act, routes).pow(2).mean()).backward()
             dist.send(act.grad.contiguous(), rank - 2)
         for name, p in model.named_parameters():  # the host: averaged over the stage's group
-            if "experts" not in name and p.grad is not None:
+            if (sz is None or "experts" not in name) and p.grad is not None:
                 dist.all_reduce(p.grad, group=groups[stage])
                 p.grad /= 2
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        sz.step()
+        if sz is not None:
+            sz.step()
     state = model_state(model)
-    sz.remove_hooks()
+    if sz is not None:
+        sz.remove_hooks()
     return state
 
 
-def test_a_pipeline_stage_that_backwards_a_received_gradient_is_unscaled():
+@pytest.mark.parametrize("moe_stages", [2, 1])
+def test_a_pipeline_stage_that_backwards_a_received_gradient_is_unscaled(moe_stages):
     """The scale is a power of two: the scaled run equals the unscaled one bit for bit."""
-    plain = all_values(run_ranks(_pipeline, 4, 1.0, timeout=150))
-    scaled = all_values(run_ranks(_pipeline, 4, 1024.0, timeout=150))
+    plain = all_values(run_ranks(_pipeline, 4, 1.0, moe_stages, timeout=150))
+    scaled = all_values(run_ranks(_pipeline, 4, 1024.0, moe_stages, timeout=150))
     for a, b in zip(plain, scaled):
         for k, v in a.items():
             assert torch.equal(v, b[k]), (k, float((v - b[k]).abs().max()))
+
+
+def _local_only(rank: int, world: int) -> dict[str, Any]:
+    """World 2, the group is the world: two ``no_sync`` micro-steps of a received-gradient
+    backward (a pipeline stage's), rank 1's tokens reaching no expert, then the scaler's step
+    and ``sz.step()``."""
+    import torch.distributed as dist
+
+    from ._blocks import block_batch, block_routes
+
+    torch.manual_seed(0)
+    model = BlockMoE(layers=LAYERS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"], bucket_mb=1e-3,
+                                            timeout_s=60), opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for micro in range(2):
+        x, _ = block_batch(micro, rank)
+        routes = block_routes(micro, rank, layers=LAYERS,
+                              pattern="none" if rank == 1 else "uneven")
+        with sz.no_sync():
+            y = model(x, routes)
+            torch.autograd.backward(y, torch.ones_like(y) * 1024.0)
+    scaler.scale(torch.zeros(()))
+    for name, p in model.named_parameters():
+        if "experts" not in name and p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    scaler.step(opt)
+    scaler.update()
+    updated = sz.step().updated
+    sz.remove_hooks()
+    return {"updated": updated}
+
+
+def test_no_sync_gradients_on_one_rank_only_do_not_split_the_group_at_unscale():
+    """Both ranks step (they hung: rank 0 unscaled, rank 1 did not). Such a window of
+    ``no_sync`` gradients alone, from backwards that are no ``scale()`` output, is not unscaled
+    (docs/limits.md)."""
+    assert all(v["updated"] > 0 for v in all_values(run_ranks(_local_only, 2, timeout=150)))

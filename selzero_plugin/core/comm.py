@@ -17,7 +17,7 @@ is the same on every member as long as they create the same groups in the same o
   instance's alone: two instances on one group whose launches came in different orders on
   different ranks could otherwise pair one's reduce-scatter with the other's;
 - groups beyond the instance's group (the ``normalize_over`` ranks, the world for the global
-  norm of expert groups) are shared per rank set by every instance of the process
+  norm of expert groups) are shared per (rank set, timeout) by every instance of the process
   (``shared_group``) and created at first use, at a reduction point every member reaches, so
   ranks that hold different numbers of instances (pipeline stages with different numbers of
   MoE layers) still create each set the same number of times.
@@ -236,16 +236,13 @@ def _selzero_group(ranks: list[int], timeout_s: float, purpose: str) -> Any:
 
 
 def shared_group(ranks: list[int], timeout_s: float) -> Any:
-    """selzero's process group over ``ranks``: created once per process, then shared. One per
-    rank set, whatever the instances' ``timeout_s`` (the first creator's is the group's): a
-    name that carried it made expert groups configured with different timeouts build
-    different world groups that never met (review finding)."""
+    """selzero's process group over ``ranks``: created once per process, then shared."""
     world = dist.group.WORLD
-    key = (id(world), tuple(sorted(ranks)))
+    key = (id(world), tuple(sorted(ranks)), float(timeout_s))
     for stale in [k for k in _GROUPS if k[0] != id(world)]:  # a re-initialized default group
         del _GROUPS[stale]
     if key not in _GROUPS:
-        _GROUPS[key] = _selzero_group(list(key[1]), timeout_s, "shared")
+        _GROUPS[key] = _selzero_group(list(key[1]), timeout_s, f"shared-{timeout_s}")
     return _GROUPS[key]
 
 
@@ -315,7 +312,10 @@ class Communicator:
                 f"global ranks {sorted(ranks)} failed after {time.monotonic() - start:.1f} s "
                 f"(timeout_s={timeout_s:g}): {_first_line(e)}. Every rank of the group must build "
                 "the same selzero instances in the same order; one that died, stalled or raised "
-                "before building this one leaves the others here.") from e
+                "before building this one leaves the others here"
+                + (" (a communicator shared by several groups, over their normalize_over ranks "
+                   "or the world, is named by its timeout_s: give those groups' instances the "
+                   "same timeout_s)." if shared else ".")) from e
         return cls(group, dist.get_rank(group), len(ranks), sorted(ranks), device,
                    emulate=_emulates_with_all_reduce(group, device), timeout_s=timeout_s,
                    label=f"selzero {purpose} group")

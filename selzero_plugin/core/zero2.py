@@ -296,18 +296,25 @@ class SelectedZero2:
                                   ) -> tuple[int, bool, bool]:
         """(token count summed over the normalize_over ranks, whether another group failed,
         whether another group's call was invalid)."""
-        if self._normalize_comm is None:
-            self._normalize_comm = Communicator.create(self.normalize_ranks,
-                                                       timeout_s=self.config.timeout_s,
-                                                       device=self.comm.device, shared=True)
         total = torch.stack([weight.reshape(()), torch.tensor(int(failed), device=weight.device),
                              torch.tensor(int(invalid), device=weight.device)])
-        self._normalize_comm.all_reduce(total)
+        self.normalize_communicator().all_reduce(total)
         count, failures, invalids = total.tolist()
         # a failure is agreed within the group: a failed rank's group counts its size
         # (review finding: counting one made every rank of a failed group of 2+ blame another)
         return (count, failures > (self.comm.size if failed else 0),
                 invalids > (self.comm.size if invalid else 0))
+
+    def normalize_communicator(self) -> Communicator:
+        """The communicator over the ``normalize_over`` ranks (the group's own when they are
+        the group), made at first use."""
+        if self.normalize_ranks == self.comm.global_ranks:
+            return self.comm
+        if self._normalize_comm is None:
+            self._normalize_comm = Communicator.create(self.normalize_ranks,
+                                                       timeout_s=self.config.timeout_s,
+                                                       device=self.comm.device, shared=True)
+        return self._normalize_comm
 
     def _control_communicator(self) -> Communicator:
         """A second communicator over the group, for agreements while bucket collectives may
@@ -514,17 +521,19 @@ class SelectedZero2:
         yet, multiply the reduced shards by ``inv_scale`` (0-dim), and agree across the group
         whether the subset or ``host_found_inf`` (the host optimizer's flag, which the ranks of
         a sharded host may see differently) holds inf/NaN; if so step() updates nothing. An
-        instance whose group is not the world (expert groups) agrees the flag over the world:
-        the host's replicas must all skip or all step. Returns that agreed flag, 0-dim float32 on the device (as GradScaler's found_inf)."""
+        instance whose ``normalize_over`` ranks extend beyond its group (expert groups) agrees
+        the flag over them: the host's replicas must all skip or all step. Returns that agreed
+        flag, 0-dim float32 on the device (as GradScaler's found_inf)."""
         window, device = self.window, self.comm.device
         host = torch.zeros((), dtype=torch.float32, device=device) if host_found_inf is None \
             else host_found_inf.detach().reshape(()).to(device=device, dtype=torch.float32)
         error: SelZeroError | None = None
+        over_group = self.normalize_ranks == self.comm.global_ranks
         if not window.reduced():
             try:
                 window.reduce(None, None, host_nonfinite=host)  # (the host's flag agreed in it)
-            except SelZeroError as e:  # agreed within the group; the world must learn it too
-                if self.spans_world or isinstance(e, CollectiveError):
+            except SelZeroError as e:  # agreed in the group; the other groups must learn it
+                if over_group or isinstance(e, CollectiveError):
                     raise
                 error = e
             host = torch.zeros((), dtype=torch.float32, device=device)
@@ -542,25 +551,28 @@ class SelectedZero2:
             if float(inv_scale) > 1.0:
                 flag[0] = torch.maximum(flag[0], holds_nonfinite(self.storage.grad_shard)
                                         .to(torch.float32))
-        if self.spans_world:
+        if over_group:
             self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         else:
-            # expert groups: the host's replicas span every rank, so the scaler must skip (and
-            # back off) on every rank or none: the flag is agreed over the world, the group's
-            # own decision included, and so is a group's error (review findings: one group
-            # skipped the host's step while another took it, and the replicas diverged; a
-            # group that raised left the others waiting in this all-reduce)
+            # normalize_over beyond the group (expert groups, whose gradients form one average
+            # with the other groups' and whose host replicas span those ranks): the scaler
+            # must skip (and back off) on every one of them or none, so the flag is agreed
+            # over them, the group's own decision included, and so is a group's error (review
+            # findings: one group skipped the host's step while another took it, and the
+            # replicas diverged; a group that raised left the others waiting in this
+            # all-reduce). Not beyond: a pipeline stage's ranks need not meet another stage's
             flag[0] = torch.maximum(flag[0], torch.tensor(
                 float(error is None and window.decision.nonfinite), device=device))
             flag[1] = float(error is not None)
-            self.world_communicator().all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.normalize_communicator().all_reduce(flag, op=dist.ReduceOp.MAX)
         if error is not None:
             raise error
         if float(flag[1]) > 0:
             window.fail(UsageError(
                 f"[rank {self.comm.rank}/{self.comm.size}] GradScaler.unscale_: selzero's "
-                "reduction failed on another group (its ranks raised the reason); this group's "
-                "window was dropped too, on every rank."))
+                "reduction failed on another group of the normalize_over ranks "
+                f"{self.normalize_ranks} (its ranks raised the reason); this group's window was "
+                "dropped too. Fix what that error names; every rank then goes on together."))
         if float(flag[0]) > 0 and not window.decision.nonfinite:
             window.decision.nonfinite = True
             window.skip_update()
