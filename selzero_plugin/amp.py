@@ -15,8 +15,8 @@ SelectedZero2 is concerned:
   instances that a scaled loss does not reach are left alone;
 - ``unscale_(opt)``: for each instance that ``opt`` concerns (the host optimizer selzero
   mirrors; without one, an optimizer holding the selected parameters, else one over the model's
-  other parameters) and whose window holds gradients (scaled, or a reduced micro-step of any
-  backward: a pipeline stage backwards a gradient received from the stage that scaled the
+  other parameters) and whose window holds gradients (scaled, or of any backward on some rank
+  of the group: a pipeline stage backwards a gradient received from the stage that scaled the
   loss, not a ``scale()`` output), ``sz.unscale_`` reduces its window (every rank calls
   ``unscale_`` at the same point), multiplies the shards by the scaler's ``1/scale``, and
   agrees across the group (over the ``normalize_over`` ranks when they extend beyond it,
@@ -98,7 +98,7 @@ def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
         return any(id(p) in held for p in sz.model.parameters())
 
     return [sz for sz in live_instances()
-            if not sz.window.unscaled and _holds_gradients(sz) and concerns(sz)]
+            if not sz.window.unscaled and concerns(sz) and _holds_gradients(sz)]
 
 
 def _holds_gradients(sz: SelectedZero2) -> bool:
@@ -107,11 +107,17 @@ def _holds_gradients(sz: SelectedZero2) -> bool:
     concerns it (a pipeline stage's ``torch.autograd.backward(out, grad)`` with a gradient
     received from the stage that scaled the loss: its roots are no ``scale()`` output, yet
     the gradients are scaled; review finding, they were stepped ``scale`` times too large).
-    Only a reduced micro-step counts (its state is the same on every rank of the group,
-    whatever the routing); a window of ``no_sync`` gradients alone, unmarked, does not: a rank
-    whose tokens reached no expert holds none (review finding: ranks disagreed and hung)."""
+    A reduced micro-step's state is the same on every rank of the group, whatever the
+    routing; ``no_sync`` gradients alone are not (a rank whose tokens reached no expert holds
+    none: review finding, ranks disagreed and hung), so for such a window the group agrees
+    whether any rank holds some (every rank of the group calls ``unscale_`` at this point).
+    Unscaled, they were stepped ``scale`` times too large (review finding)."""
     window = sz.window
-    return window.scaled or window.state is not WindowState.IDLE
+    if window.scaled or window.state is not WindowState.IDLE:
+        return True
+    held = torch.tensor([int(bool(window.local))], dtype=torch.int64, device=sz.comm.device)
+    window.control_comm().all_reduce(held, op=torch.distributed.ReduceOp.MAX)
+    return bool(held.item())
 
 
 def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer

@@ -205,7 +205,7 @@ def test_a_pipeline_stage_that_backwards_a_received_gradient_is_unscaled(moe_sta
             assert torch.equal(v, b[k]), (k, float((v - b[k]).abs().max()))
 
 
-def _local_only(rank: int, world: int) -> dict[str, Any]:
+def _local_only(rank: int, world: int, scale: float) -> dict[str, Any]:
     """World 2, the group is the world: two ``no_sync`` micro-steps of a received-gradient
     backward (a pipeline stage's), rank 1's tokens reaching no expert, then the scaler's step
     and ``sz.step()``."""
@@ -218,14 +218,14 @@ def _local_only(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"], bucket_mb=1e-3,
                                             timeout_s=60), opt)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
     for micro in range(2):
         x, _ = block_batch(micro, rank)
         routes = block_routes(micro, rank, layers=LAYERS,
                               pattern="none" if rank == 1 else "uneven")
         with sz.no_sync():
             y = model(x, routes)
-            torch.autograd.backward(y, torch.ones_like(y) * 1024.0)
+            torch.autograd.backward(y, torch.ones_like(y) * scale)
     scaler.scale(torch.zeros(()))
     for name, p in model.named_parameters():
         if "experts" not in name and p.grad is not None:
@@ -234,12 +234,17 @@ def _local_only(rank: int, world: int) -> dict[str, Any]:
     scaler.step(opt)
     scaler.update()
     updated = sz.step().updated
+    state = model_state(model)
     sz.remove_hooks()
-    return {"updated": updated}
+    return {"updated": updated, "state": state}
 
 
-def test_no_sync_gradients_on_one_rank_only_do_not_split_the_group_at_unscale():
-    """Both ranks step (they hung: rank 0 unscaled, rank 1 did not). Such a window of
-    ``no_sync`` gradients alone, from backwards that are no ``scale()`` output, is not unscaled
-    (docs/limits.md)."""
-    assert all(v["updated"] > 0 for v in all_values(run_ranks(_local_only, 2, timeout=150)))
+def test_no_sync_gradients_on_one_rank_only_are_unscaled_on_every_rank():
+    """Both ranks step (they hung: rank 0 unscaled, rank 1 did not), and equal the unscaled
+    run bit for bit (they were then stepped 1024 times too large)."""
+    plain = all_values(run_ranks(_local_only, 2, 1.0, timeout=150))
+    scaled = all_values(run_ranks(_local_only, 2, 1024.0, timeout=150))
+    for a, b in zip(plain, scaled):
+        assert a["updated"] > 0 and b["updated"] == a["updated"]
+        for k, v in a["state"].items():
+            assert torch.equal(v, b["state"][k]), (k, float((v - b["state"][k]).abs().max()))
