@@ -111,12 +111,21 @@ def _holds_gradients(sz: SelectedZero2) -> bool:
     routing; ``no_sync`` gradients alone are not (a rank whose tokens reached no expert holds
     none: review finding, ranks disagreed and hung), so for such a window the group agrees
     whether any rank holds some (every rank of the group calls ``unscale_`` at this point).
-    Unscaled, they were stepped ``scale`` times too large (review finding)."""
+    Unscaled, they were stepped ``scale`` times too large (review finding). With
+    ``normalize_over`` beyond the group (expert groups) the question is agreed over those ranks
+    at every unscale, as the unscale's own flag is: a group that holds nothing must still meet
+    the others there (review finding: it did not, and they waited until ``timeout_s``)."""
     window = sz.window
-    if window.scaled or window.state is not WindowState.IDLE:
-        return True
-    held = torch.tensor([int(bool(window.local))], dtype=torch.int64, device=sz.comm.device)
-    window.control_comm().all_reduce(held, op=torch.distributed.ReduceOp.MAX)
+    here = window.scaled or window.state is not WindowState.IDLE
+    if sz.normalize_ranks == sz.comm.global_ranks:
+        if here:
+            return True
+        comm = window.control_comm()
+    else:
+        comm = sz.normalize_communicator()
+    held = torch.tensor([int(here or bool(window.local))], dtype=torch.int64,
+                        device=sz.comm.device)
+    comm.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
     return bool(held.item())
 
 

@@ -205,24 +205,27 @@ def test_a_pipeline_stage_that_backwards_a_received_gradient_is_unscaled(moe_sta
             assert torch.equal(v, b[k]), (k, float((v - b[k]).abs().max()))
 
 
-def _local_only(rank: int, world: int, scale: float) -> dict[str, Any]:
-    """World 2, the group is the world: two ``no_sync`` micro-steps of a received-gradient
-    backward (a pipeline stage's), rank 1's tokens reaching no expert, then the scaler's step
-    and ``sz.step()``."""
+def _local_only(rank: int, world: int, scale: float, idle: tuple[int, ...]) -> dict[str, Any]:
+    """Two ``no_sync`` micro-steps of a received-gradient backward (a pipeline stage's), the
+    tokens of the ranks ``idle`` reaching no expert, then the scaler's step and ``sz.step()``.
+    World 2: the group is the world; world 4: expert groups [0, 1] and [2, 3] under
+    ``normalize_over="world"``."""
     import torch.distributed as dist
 
     from ._blocks import block_batch, block_routes
 
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else None
     torch.manual_seed(0)
     model = BlockMoE(layers=LAYERS)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sz = SelectedZero2(model, SelZeroConfig(params=["blocks.*.experts.*"], bucket_mb=1e-3,
-                                            timeout_s=60), opt)
+                                            timeout_s=60, normalize_over="world"), opt,
+                       group=groups[rank // 2] if groups else None)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
     for micro in range(2):
         x, _ = block_batch(micro, rank)
         routes = block_routes(micro, rank, layers=LAYERS,
-                              pattern="none" if rank == 1 else "uneven")
+                              pattern="none" if rank in idle else "uneven")
         with sz.no_sync():
             y = model(x, routes)
             torch.autograd.backward(y, torch.ones_like(y) * scale)
@@ -239,12 +242,15 @@ def _local_only(rank: int, world: int, scale: float) -> dict[str, Any]:
     return {"updated": updated, "state": state}
 
 
-def test_no_sync_gradients_on_one_rank_only_are_unscaled_on_every_rank():
-    """Both ranks step (they hung: rank 0 unscaled, rank 1 did not), and equal the unscaled
-    run bit for bit (they were then stepped 1024 times too large)."""
-    plain = all_values(run_ranks(_local_only, 2, 1.0, timeout=150))
-    scaled = all_values(run_ranks(_local_only, 2, 1024.0, timeout=150))
+@pytest.mark.parametrize("world,idle", [(2, (1,)), (4, (2, 3))], ids=["group", "expert-groups"])
+def test_no_sync_gradients_on_some_ranks_only_are_unscaled_on_every_rank(world, idle):
+    """Every rank steps (they hung: at world 2 rank 0 unscaled and rank 1 did not; at world 4
+    group [2, 3], holding nothing, never met group [0, 1]), equal to the unscaled run bit for
+    bit (such gradients were stepped 1024 times too large)."""
+    plain = all_values(run_ranks(_local_only, world, 1.0, idle, timeout=150))
+    scaled = all_values(run_ranks(_local_only, world, 1024.0, idle, timeout=150))
+    assert any(v["updated"] > 0 for v in plain)
     for a, b in zip(plain, scaled):
-        assert a["updated"] > 0 and b["updated"] == a["updated"]
+        assert b["updated"] == a["updated"]
         for k, v in a["state"].items():
             assert torch.equal(v, b["state"][k]), (k, float((v - b["state"][k]).abs().max()))
