@@ -86,10 +86,10 @@ def _scale(original: Callable[..., Any], scaler: Any, outputs: Any) -> Any:
     return scaled
 
 
-def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
-    """The scaled instances, not yet unscaled this window, that ``optimizer`` concerns: the
-    host optimizer an instance mirrors; for an instance with an optimizer of its own, one that
-    holds selected parameters, else one over its model's other parameters."""
+def _candidates(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
+    """The instances, not yet unscaled this window, that ``optimizer`` concerns: the host
+    optimizer an instance mirrors; for an instance with an optimizer of its own, one that holds
+    selected parameters, else one over its model's other parameters. Local: no collective."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
 
     def concerns(sz: SelectedZero2) -> bool:
@@ -97,8 +97,13 @@ def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
             return sz.host_optimizer is optimizer
         return any(id(p) in held for p in sz.model.parameters())
 
-    return [sz for sz in live_instances()
-            if not sz.window.unscaled and concerns(sz) and _holds_gradients(sz)]
+    return [sz for sz in live_instances() if not sz.window.unscaled and concerns(sz)]
+
+
+def _concerned(optimizer: torch.optim.Optimizer) -> list[SelectedZero2]:
+    """The candidates whose window holds gradients to unscale; a collective for some
+    (_holds_gradients): called once per ``scaler.unscale_``, on every rank."""
+    return [sz for sz in _candidates(optimizer) if _holds_gradients(sz)]
 
 
 def _holds_gradients(sz: SelectedZero2) -> bool:
@@ -152,9 +157,12 @@ def _unscale(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.O
 
 def _step(original: Callable[..., Any], scaler: Any, optimizer: torch.optim.Optimizer,
           *args: Any, **kwargs: Any) -> Any:
-    if scaler.is_enabled() and _concerned(optimizer):
+    if scaler.is_enabled() and _candidates(optimizer):
         from torch.amp.grad_scaler import OptState
 
+        # no collective here: the unscale_ below agrees what it must, once, whether or not
+        # the caller unscaled explicitly before (review finding: a check here agreed twice
+        # on ranks that did not, and paired the wrong collectives with ranks that did)
         if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             scaler.unscale_(optimizer)
     return original(scaler, optimizer, *args, **kwargs)

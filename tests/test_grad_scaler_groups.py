@@ -53,7 +53,9 @@ def _expert_groups(rank: int, momentum: float = 0.0, **config: Any
     return model, opt, sz
 
 
-def _run(rank: int, world: int, explicit: bool) -> dict[str, Any]:
+def _run(rank: int, world: int, explicit: bool, mixed: bool = False) -> dict[str, Any]:
+    """``mixed``: only group [0, 1] calls ``scaler.unscale_(opt)`` before ``scaler.step(opt)``
+    (to clip, say); group [2, 3] leaves it to ``step``."""
     import torch.distributed as dist
 
     model, opt, sz = _expert_groups(rank, 0.9, reduction="weighted" if explicit else "mean",
@@ -70,7 +72,8 @@ def _run(rank: int, world: int, explicit: bool) -> dict[str, Any]:
                 p.grad /= world
         if explicit:
             sz.reduce_gradients(weight=6)
-        scaler.unscale_(opt)
+        if not mixed or rank < 2:
+            scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -84,9 +87,11 @@ def _run(rank: int, world: int, explicit: bool) -> dict[str, Any]:
             "host": {k: v for k, v in state.items() if "experts" not in k}}
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["mean", "weighted-normalize_over"])
-def test_an_overflow_in_one_expert_group_skips_the_step_and_backs_off_on_every_rank(explicit):
-    values = all_values(run_ranks(_run, 4, explicit, timeout=150))
+@pytest.mark.parametrize("explicit,mixed", [(False, False), (True, False), (False, True)],
+                         ids=["mean", "weighted", "unscale_-on-one-group"])
+def test_an_overflow_in_one_expert_group_skips_the_step_and_backs_off_on_every_rank(explicit,
+                                                                                   mixed):
+    values = all_values(run_ranks(_run, 4, explicit, mixed, timeout=150))
     for v in values:
         assert v["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], v["scales"]
         assert v["updated"][INF_STEP] == 0 and v["updated"][0] > 0 and v["updated"][2] > 0, \
