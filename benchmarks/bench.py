@@ -31,7 +31,8 @@ Method. Modes are interleaved round-robin in fresh processes (ddp, selzero, ...,
 ...), so a busy machine slows a whole round alike; each figure is the median over rounds and
 each ratio is taken within a round (median and min-max over rounds). Per mode and round:
 
-- ms/step: median after warm-up;
+- ms/step: median after warm-up (the JSON's ``cpu_ms``: each rank's median CPU time of a step,
+  every thread of its process);
 - subset bytes per rank: gradients + optimizer state + masters of the expert parameters, from
   the live tensors' storages after a step (for selzero ``memory_report()``, whose
   ``ideal_total`` is the real-chunk ideal; FSDP2: the local shards; DDP: full tensors);
@@ -325,16 +326,17 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argpar
     subset_ids = {id(p) for p in subset}
     step, memory = _setup(mode, model, spec, subset, subset_ids, args)
     batch = _batch(spec, rank, mode, device)
-    times, counted = [], []
+    times, cpu, counted = [], [], []
     for i in range(args.warmup + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         COUNTER.active = i == args.warmup  # one step's collectives, after warm-up
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)  # every thread of the process (gloo's included)
         COUNTER.active = False
         if i == args.warmup:
             counted = COUNTER.take()
@@ -343,6 +345,9 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argpar
                         dtype=torch.float64, device=device)
     peaks = torch.zeros(world, dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(peaks, peak)
+    cpu_ms = torch.zeros(world, dtype=torch.float64, device=device)  # per rank, median
+    dist.all_gather_into_tensor(cpu_ms, torch.tensor(
+        [1000 * statistics.median(cpu[args.warmup:])], dtype=torch.float64, device=device))
     bytes_subset, ideal = memory()
     passed, wire = wire_bytes(counted, True)
     if mode == "fsdp2":  # one group for the expert blocks and the root: the experts' share is
@@ -355,7 +360,8 @@ def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argpar
         passed = -1  # derived, not passed
     result = {"mode": mode, "ms": 1000 * statistics.median(times[args.warmup:]),
               "subset_bytes": bytes_subset, "subset_ideal": ideal,
-              "peak_rss_mib": peaks.tolist(), "subset_passed": passed, "subset_wire": wire,
+              "peak_rss_mib": peaks.tolist(), "cpu_ms": cpu_ms.tolist(),
+              "subset_passed": passed, "subset_wire": wire,
               "other_wire": wire_bytes(counted, False)[1] if mode != "fsdp2" else
               int((world - 1) / world * sum(p.numel() * p.element_size() * 2 for n, p in
                                           model.named_parameters() if not is_expert(spec, n))),
