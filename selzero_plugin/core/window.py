@@ -185,7 +185,7 @@ class ReductionWindow:
                  storage: ShardStorage, collectives: BucketCollectives,
                  trainable: list[SelectedEntry], frozen: list[SelectedEntry], units: Units,
                  model: nn.Module,
-                 normalize_size: int,
+                 normalize_ranks: list[int],
                  normalize_weight: Callable[[torch.Tensor, bool, bool],
                                             tuple[int, bool, bool]] | None,
                  control_comm: Callable[[], Communicator], bindings: Bindings) -> None:
@@ -199,7 +199,8 @@ class ReductionWindow:
         self.frozen = frozen  # selected, frozen at construction: no slot; must stay frozen
         self.units = units
         self.model = model
-        self.normalize_size = normalize_size  # size of the normalize_over rank set
+        self.normalize_ranks = normalize_ranks  # global ranks of the normalize_over set
+        self.normalize_size = len(normalize_ranks)
         # sums a weight over the normalize_over ranks (when not the group), with a failure flag
         self.normalize_weight = normalize_weight
         self.control_comm = control_comm  # a second communicator of the group (zero_grad)
@@ -787,8 +788,9 @@ class ReductionWindow:
                 # (a group that fails itself raises its own error: review finding)
                 error = UsageError(
                     f"[rank {self.comm.rank}/{self.comm.size}] reduce_gradients() failed on "
-                    "another group of the normalize_over ranks (its ranks raised the reason); "
-                    "this group's window was dropped too.")
+                    f"another group of the normalize_over ranks {self.normalize_ranks} (its "
+                    "ranks raised the reason); this group's window was dropped too. Fix what "
+                    "that error names; every rank then goes on together.")
         elif mode == "weighted":
             global_weight = values[c.weight.start]
         elif mode == "mean":

@@ -284,7 +284,7 @@ class SelectedZero2:
             config=config, comm=comm, layout=self.layout, storage=self.storage,
             collectives=self.collectives, trainable=self.trainable,
             frozen=[e for e in self.entries if e.frozen], units=self.units,
-            model=self.model, normalize_size=len(self.normalize_ranks),
+            model=self.model, normalize_ranks=self.normalize_ranks,
             normalize_weight=None if over_group else self._sum_over_normalize_ranks,
             control_comm=self._control_communicator,
             bindings=Bindings(self.model, self.trainable, self))
