@@ -122,7 +122,7 @@ def _holds_gradients(sz: SelectedZero2) -> bool:
     the others there (review finding: it did not, and they waited until ``timeout_s``)."""
     window = sz.window
     here = window.scaled or window.state is not WindowState.IDLE
-    if sz.normalize_ranks == sz.comm.global_ranks:
+    if not sz.normalizes_beyond_group:
         if here:
             return True
         comm = window.control_comm()

@@ -279,13 +279,13 @@ class SelectedZero2:
         self._normalize_comm: Communicator | None = None
         self._world_comm: Communicator | None = None
         self._control_comm: Communicator | None = None
-        over_group = self.normalize_ranks == comm.global_ranks
         self.window = ReductionWindow(
             config=config, comm=comm, layout=self.layout, storage=self.storage,
             collectives=self.collectives, trainable=self.trainable,
             frozen=[e for e in self.entries if e.frozen], units=self.units,
             model=self.model, normalize_ranks=self.normalize_ranks,
-            normalize_weight=None if over_group else self._sum_over_normalize_ranks,
+            normalize_weight=self._sum_over_normalize_ranks if self.normalizes_beyond_group
+            else None,
             control_comm=self._control_communicator,
             bindings=Bindings(self.model, self.trainable, self))
         self.window.install()
@@ -308,7 +308,7 @@ class SelectedZero2:
     def normalize_communicator(self) -> Communicator:
         """The communicator over the ``normalize_over`` ranks (the group's own when they are
         the group), made at first use."""
-        if self.normalize_ranks == self.comm.global_ranks:
+        if not self.normalizes_beyond_group:
             return self.comm
         if self._normalize_comm is None:
             self._normalize_comm = Communicator.create(self.normalize_ranks,
@@ -326,6 +326,12 @@ class SelectedZero2:
                                                      purpose="control") \
                 if dist.is_available() and dist.is_initialized() else self.comm
         return self._control_comm
+
+    @property
+    def normalizes_beyond_group(self) -> bool:
+        """Whether the ``normalize_over`` ranks extend beyond the group (expert groups under
+        ``normalize_over="world"``): their agreements then run over those ranks."""
+        return self.normalize_ranks != self.comm.global_ranks
 
     @property
     def spans_world(self) -> bool:
@@ -528,12 +534,11 @@ class SelectedZero2:
         host = torch.zeros((), dtype=torch.float32, device=device) if host_found_inf is None \
             else host_found_inf.detach().reshape(()).to(device=device, dtype=torch.float32)
         error: SelZeroError | None = None
-        over_group = self.normalize_ranks == self.comm.global_ranks
         if not window.reduced():
             try:
                 window.reduce(None, None, host_nonfinite=host)  # (the host's flag agreed in it)
             except SelZeroError as e:  # agreed in the group; the other groups must learn it
-                if over_group or isinstance(e, CollectiveError):
+                if not self.normalizes_beyond_group or isinstance(e, CollectiveError):
                     raise
                 error = e
             host = torch.zeros((), dtype=torch.float32, device=device)
@@ -551,20 +556,16 @@ class SelectedZero2:
             if float(inv_scale) > 1.0:
                 flag[0] = torch.maximum(flag[0], holds_nonfinite(self.storage.grad_shard)
                                         .to(torch.float32))
-        if over_group:
-            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-        else:
-            # normalize_over beyond the group (expert groups, whose gradients form one average
-            # with the other groups' and whose host replicas span those ranks): the scaler
-            # must skip (and back off) on every one of them or none, so the flag is agreed
-            # over them, the group's own decision included, and so is a group's error (review
-            # findings: one group skipped the host's step while another took it, and the
-            # replicas diverged; a group that raised left the others waiting in this
-            # all-reduce). Not beyond: a pipeline stage's ranks need not meet another stage's
-            flag[0] = torch.maximum(flag[0], torch.tensor(
-                float(error is None and window.decision.nonfinite), device=device))
-            flag[1] = float(error is not None)
-            self.normalize_communicator().all_reduce(flag, op=dist.ReduceOp.MAX)
+        # over the normalize_over ranks (the group's, unless expert groups extend them): the
+        # host's replicas span them, so the scaler must skip (and back off) on every one of them
+        # or none; the group's own decision and a group's error are agreed with the flag
+        # (review findings: one group skipped the host's step while another took it, and the
+        # replicas diverged; a group that raised left the others waiting in this all-reduce).
+        # Pipeline stages (normalize_over="group") need not meet another stage here
+        flag[0] = torch.maximum(flag[0], torch.tensor(
+            float(error is None and window.decision.nonfinite), device=device))
+        flag[1] = float(error is not None)
+        self.normalize_communicator().all_reduce(flag, op=dist.ReduceOp.MAX)
         if error is not None:
             raise error
         if float(flag[1]) > 0:
