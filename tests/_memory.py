@@ -109,10 +109,10 @@ def gradient_lifetime_run(rank: int, world: int) -> dict[str, Any]:
     buffers: list[tuple[torch.UntypedStorage, int]] = []
     reduce_scatter = sz.comm.reduce_scatter_rows
 
-    def tracking_reduce_scatter(buffer: torch.Tensor, *args: Any) -> Any:
+    def tracking_reduce_scatter(buffer: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         storage = buffer.untyped_storage()
         buffers.append((storage, storage.data_ptr()))
-        return reduce_scatter(buffer, *args)
+        return reduce_scatter(buffer, *args, **kwargs)
 
     sz.comm.reduce_scatter_rows = tracking_reduce_scatter
     in_backward: list[int] = []

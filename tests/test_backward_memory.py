@@ -41,9 +41,9 @@ def _keep_every_bucket(sz: SelectedZero2) -> list[torch.Tensor]:
     kept: list[torch.Tensor] = []
     launch = sz.comm.reduce_scatter_rows
 
-    def keeping(buffer: torch.Tensor, *args: Any) -> Any:
+    def keeping(buffer: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         kept.append(buffer.clone())
-        return launch(buffer, *args)
+        return launch(buffer, *args, **kwargs)
 
     sz.comm.reduce_scatter_rows = keeping
     return kept

@@ -2,7 +2,8 @@
 sum that overflows though each rank's gradient is finite, a NaN summed last (a peer's, in rank
 0's chunk, at world 3), an overflow across micro-steps, and writes after the backward through
 ``sz.grad_shard`` (indexing, ``.data``, ``.numpy()``: no version counter moves for the last two,
-so nothing may rely on one); finite steps update. (Written for a driver-side check per bucket,
+so nothing may rely on one); finite steps update, also when the shard's values are so large
+that their sum overflows. (Written for a driver-side check per bucket,
 measured slower and removed: [Note: p2p reduce-scatter] keeps the driver's loop minimal.)"""
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def _grad(fill: float | str) -> torch.Tensor:
     if fill == "nan at 0":
         grad = torch.ones(SHAPE)
         grad[0, 0] = float("nan")
+        return grad
+    if fill == "large at the start":  # in rank 0's chunk only (chunks of 537 and 358)
+        grad = torch.ones(SHAPE)
+        grad.view(-1)[:300] = 1e38
         return grad
     return torch.full(SHAPE, float(fill))
 
@@ -74,6 +79,11 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         "user_write_numpy": step([[1.0, 1.0, 1.0]], write=lambda sz: sz.grad_shard.numpy()
                                  .__setitem__(3, float("inf"))),
         "after_exposure": step([[1.0, 2.0, 3.0]]),
+        # finite values whose sum over the shard overflows: the sum test is positive on every
+        # rank ([Note: non-finite check]), the exact check is not, and the step updates
+        "large_finite": step([[1e38, 1e38, 1e38]]),
+        # the same on rank 0 only (its chunk): every rank confirms, rank 0's test was positive
+        "large_finite_one_rank": step([["large at the start"] * 3]),
     }
     sz.remove_hooks()
     return out
@@ -83,7 +93,8 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 def test_nonfinite_sums_are_found_on_every_rank_and_skip_the_step(world: int) -> None:
     for value in all_values(run_ranks(_scenarios, world, timeout=120)):
         assert value["finite"]["buckets"] == EXPERTS, value
-        for case in ("finite", "accumulation_finite", "finite_again", "after_exposure"):
+        for case in ("finite", "accumulation_finite", "finite_again", "after_exposure",
+                     "large_finite", "large_finite_one_rank"):
             assert value[case]["updated"] == EXPERTS and all(value[case]["changed"]), \
                 (case, value[case])
         for case in ("sum_overflows", "nan_on_one_rank", "accumulation_overflows",

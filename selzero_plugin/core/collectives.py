@@ -50,7 +50,8 @@ from torch._utils import _unflatten_dense_tensors
 
 from .comm import Communicator, RowWork
 from .layout import Layout
-from .rowcopy import add_or_copy, entry_buffer_views, entry_flat_views
+from .rowcopy import (add_or_copy, entry_buffer_views, entry_flat_views, entry_own_flat_view,
+                      entry_own_row_view)
 from .storage import ShardStorage
 
 __all__ = ["BucketCollectives", "BufferPool", "PATIENCE_S"]
@@ -71,6 +72,30 @@ def _one_view_shape(layout: Layout, t: int) -> tuple[int, ...] | None:
     if rem or not full:
         return None
     return (full, first.chunk_numel) if len(ids) == 1 else (len(ids), full, first.chunk_numel)
+
+
+# [Note: own row in the shard]
+# A bucket's reduced row used to be copied into the gradient shard when its reduction finished
+# (``ShardStorage.accumulate``): one more pass over the shard, 4.5 ms of a 195 ms step on
+# workload f at world 2 (in-process A/B). Where the row's reduction can hold the own row apart
+# from the buffer (one rank, and gloo's point-to-point reduce-scatter, whose driver reads only
+# the peers' rows and adds into the own row: ``Communicator.own_row_apart``), the own row of a
+# bucket's *first* reduction in a window is the shard's range itself (``ShardStorage.own_row``:
+# when every chunk of the row is full, so the row and the range are the same elements): the
+# hooks copy each gradient's own chunks there and the peers' chunks into the buffer, the driver
+# adds the peers' pieces in place, and nothing is copied at the end. Later reductions of the
+# window (accumulation over micro-steps, late gradients) use the buffer's row and are added as
+# before. The sums are the same, in the same order: bitwise the same shard. Only for buckets
+# whose entries average ``OWN_MIN_NUMEL`` elements or more: a gradient's copy is then two
+# (its own chunks, the rest), which on thousands of small experts costs more per step in
+# calls than the pass it saves.
+OWN_MIN_NUMEL = 65536
+
+
+def _large_entries(layout: Layout, b: int) -> bool:
+    entries = layout.buckets[b].entries
+    numel = sum(layout.virtuals[v].numel for v in layout.buckets[b].virtuals)
+    return bool(entries) and numel >= OWN_MIN_NUMEL * len(entries)
 
 
 class BufferPool:
@@ -132,6 +157,7 @@ class _Launched:
     buffer: torch.Tensor  # 1D, N rows
     scratch: bool = False  # a view of a shared zero buffer ([Note: scratch launches])
     discarded: bool = False  # a dead micro-step's: its result is never used (launch_rest_now)
+    in_shard: bool = False  # its own row is the shard's range ([Note: own row in the shard])
 
 
 class BucketCollectives:
@@ -148,7 +174,12 @@ class BucketCollectives:
         # gloo: the point-to-point reductions' receive temporary ([Note: p2p reduce-scatter])
         self.pool.extra_bytes = comm.reserve_reduce_scratch(self.largest)
         self.filled: list[set[int]] = [set() for _ in layout.buckets]
-        self.fill_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, entry)
+        self.fill_views: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
+        # [Note: own row in the shard]: per bucket, the shard range that is this micro-step's
+        # own row of its buffer, or None
+        self.own: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self.own_ok = [comm.own_row_apart and not layout.owned and _large_entries(layout, b)
+                       for b in range(len(layout.buckets))]
         self.entry_bucket = layout.entry_bucket
         # per entry: the shape that views its flat gradient as its one block of the bucket's
         # rows (every chunk full: the common case), or None (several views, rowcopy.py)
@@ -191,10 +222,16 @@ class BucketCollectives:
         buffer = self.buffers[b]
         if buffer is None:
             buffer = self._buffer(b)
-        views = self.fill_views.get((buffer.data_ptr(), t)) or self._row_views(buffer, t)
+        own = self.own[b]
+        views = self.fill_views.get((buffer.data_ptr(), t, own is not None)) or \
+            self._row_views(buffer, t, own)
         filled = self.filled[b]
         shape = self.fill_shape[t]
-        if shape is None:
+        if own is not None:
+            rank = self.comm.rank
+            add_or_copy(views, entry_flat_views(self.layout, flat, t, skip=rank) +
+                        [entry_own_flat_view(self.layout, flat, t, rank)], t in filled)
+        elif shape is None:
             add_or_copy(views, entry_flat_views(self.layout, flat, t), t in filled)
         elif t in filled:
             views[0].add_(flat.view(shape))
@@ -202,13 +239,20 @@ class BucketCollectives:
             views[0].copy_(flat.view(shape))
         filled.add(t)
 
-    def _row_views(self, buffer: torch.Tensor, t: int) -> list[torch.Tensor]:
-        """Entry t's views in its bucket's ``buffer``, kept for reused blocks ([Note: cached
-        views] in storage.py)."""
-        key = (buffer.data_ptr(), t)
+    def _row_views(self, buffer: torch.Tensor, t: int, own: torch.Tensor | None
+                   ) -> list[torch.Tensor]:
+        """Entry t's views in its bucket's ``buffer`` (and, with ``own``, its own row's views
+        in the shard instead of the buffer's), kept for reused blocks ([Note: cached views] in
+        storage.py; the shard is never reallocated)."""
+        key = (buffer.data_ptr(), t, own is not None)
         views = self.fill_views.get(key)
         if views is None:
-            views = entry_buffer_views(self.layout, buffer, t)
+            if own is None:
+                views = entry_buffer_views(self.layout, buffer, t)
+            else:
+                rank = self.comm.rank
+                views = entry_buffer_views(self.layout, buffer, t, skip=rank) + \
+                    [entry_own_row_view(self.layout, own, t)]
             if self.pool.persistent(buffer):
                 self.fill_views[key] = views
         return views
@@ -225,6 +269,7 @@ class BucketCollectives:
             # padding is never read
             buffer = self.pool.take(self.layout.buckets[b].buffer_numel(self.comm.size), _FP32)
             self.buffers[b] = buffer
+            self.own[b] = self.storage.own_row(b) if self.own_ok[b] else None
         return buffer
 
     def alive(self) -> int:
@@ -257,18 +302,23 @@ class BucketCollectives:
 
     def _launch(self, b: int, zero_if: torch.Tensor | None) -> None:
         buffer = self._buffer(b)
+        own = self.own[b]
         for t in self.layout.buckets[b].entries:
             if t not in self.filled[b]:  # no gradient this micro-step: zeros
-                for view in self._row_views(buffer, t):
+                for view in self._row_views(buffer, t, own):
                     view.zero_()
         if zero_if is not None:
             buffer.masked_fill_(zero_if, 0.0)
+            if own is not None:
+                own.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
+        self.own[b] = None
         self.filled[b] = set()
         self.comm.what = self.labels["gradient"][b]
         try:
             self.pending.append(_Launched(b, self.comm.reduce_scatter_rows(
-                buffer, self.layout.buckets[b].row_numels or None), buffer))
+                buffer, self.layout.buckets[b].row_numels or None, own=own), buffer,
+                in_shard=own is not None))
         finally:
             self.comm.what = ""
 
@@ -354,7 +404,7 @@ class BucketCollectives:
                     self.early_scratch.untyped_storage().data_ptr() == storage.data_ptr():
                 self.early_scratch = None
             self.pool.give(buffer)
-        if row.untyped_storage().data_ptr() != storage.data_ptr():
+        if not launched.in_shard and row.untyped_storage().data_ptr() != storage.data_ptr():
             row.untyped_storage().resize_(0)  # NCCL's output row: its work is kept ([Note:
             # work objects at exit] in comm.py), its memory need not be
 
@@ -374,6 +424,7 @@ class BucketCollectives:
             if buffer is not None:
                 self.pool.give(buffer)
         self.buffers = [None] * len(self.layout.buckets)
+        self.own = [None] * len(self.layout.buckets)
         self.filled = [set() for _ in self.layout.buckets]
         self.next_launch = 0
 

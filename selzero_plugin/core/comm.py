@@ -379,10 +379,21 @@ class Communicator:
             self._p2p_temp = torch.empty(need, dtype=torch.float32, device=self.device)
         return self._p2p_temp
 
-    def _reduce_p2p(self, buffer: torch.Tensor, rows: tuple[int, ...] | None) -> RowWork:
+    @property
+    def own_row_apart(self) -> bool:
+        """Can a reduction's own row live outside its buffer (``reduce_scatter_rows(own=)``)?
+        Where nothing reduces (one rank) and on the point-to-point reduce-scatter, whose driver
+        reads only the peers' rows of the buffer and adds into the own row wherever it is;
+        not where the whole buffer is reduced (gloo's all-reduce, NCCL)."""
+        return self.size == 1 or self.p2p
+
+    def _reduce_p2p(self, buffer: torch.Tensor, rows: tuple[int, ...] | None,
+                    own: torch.Tensor | None = None) -> RowWork:
         piece = p2p.piece_numel(buffer.numel(), self.size)
         temp = self._p2p_scratch(buffer.numel())[:p2p.temp_numel(buffer.numel(), self.size)]
         parts = self._rows(buffer, rows)
+        if own is not None:
+            parts[self.rank] = own
         tag = self._p2p_tag
         pieces = max(-(-part.numel() // piece) for part in parts)
         self._p2p_tag = (tag + pieces) % p2p.TAG_SPACE
@@ -394,17 +405,22 @@ class Communicator:
             self._driver.submit(job)
         return _Guarded(job, self, "reduce_scatter", buffer)
 
-    def reduce_scatter_rows(self, buffer: torch.Tensor,
-                            rows: tuple[int, ...] | None = None) -> RowWork:
+    def reduce_scatter_rows(self, buffer: torch.Tensor, rows: tuple[int, ...] | None = None,
+                            *, own: torch.Tensor | None = None) -> RowWork:
         """Launch the SUM reduction of ``buffer`` (N rank-major rows; ``rows``: their uneven
         lengths, [Note: whole-tensor layout]); ``wait()`` returns row ``rank`` of the result.
-        ``buffer`` must stay untouched until then."""
+        ``buffer`` must stay untouched until then. ``own`` (only where ``own_row_apart``): this
+        rank's row, held apart from ``buffer`` (whose row ``rank`` is then neither read nor
+        written); the result is summed into it in place and returned."""
         self._record("reduce_scatter", buffer)
-        mine = self._row(buffer, rows, self.rank)
+        if own is not None and not (self.size == 1 or
+                                    (self.p2p and buffer.dtype == torch.float32)):
+            raise AssertionError("own= needs own_row_apart (one rank, or the p2p reduction)")
+        mine = self._row(buffer, rows, self.rank) if own is None else own
         if self.size == 1:
             return _Done(mine)
         if self.p2p and buffer.dtype == torch.float32:
-            return self._reduce_p2p(buffer, rows)
+            return self._reduce_p2p(buffer, rows, own)
         if self.emulate:
             return _Rows(self._async("reduce_scatter", buffer, lambda: dist.all_reduce(
                 buffer, group=self.group, async_op=True)), mine)

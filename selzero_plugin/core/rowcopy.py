@@ -23,7 +23,9 @@ import torch
 from .layout import Layout, Piece
 
 __all__ = ["copy_in", "copy_out", "row_views", "flat_views", "add_or_copy", "piece_buffer_views",
-           "piece_flat_views", "entry_buffer_views", "entry_flat_views", "coalesce_copies"]
+           "piece_flat_views", "entry_buffer_views", "entry_flat_views", "entry_own_row_view",
+           "entry_own_flat_view",
+           "coalesce_copies"]
 
 
 def _row_ranges(per: int, chunk: int, skip: int | None) -> tuple[list[tuple[int, int]], int]:
@@ -131,6 +133,29 @@ def entry_flat_views(layout: Layout, flat: torch.Tensor, t: int, *,
     first = layout.virtuals[ids[0]]
     return flat_views(flat, experts=len(ids), per=first.numel, chunk=first.chunk_numel,
                       skip=skip)
+
+
+def entry_own_row_view(layout: Layout, row: torch.Tensor, t: int) -> torch.Tensor:
+    """Chunked entry t's chunks in one rank's row held apart from the bucket's buffer (``row``:
+    that row alone, 1-D; [Note: own row in the shard] in collectives.py), pairing with
+    ``entry_own_flat_view``; beside ``entry_buffer_views(..., skip=rank)``."""
+    ids = layout.entry_virtuals[t]
+    chunk = layout.virtuals[ids[0]].chunk_numel
+    at = layout.entry_row_offset[t]
+    if len(ids) == 1:
+        return row[at:at + chunk]
+    return row[at:at + len(ids) * chunk].view(len(ids), chunk)
+
+
+def entry_own_flat_view(layout: Layout, flat: torch.Tensor, t: int, rank: int) -> torch.Tensor:
+    """Chunked entry t's chunks on ``rank`` in ``flat`` (its gradient), every one of them full
+    there; pairs with ``entry_own_row_view``, beside ``entry_flat_views(..., skip=rank)``."""
+    ids = layout.entry_virtuals[t]
+    first = layout.virtuals[ids[0]]
+    lo = rank * first.chunk_numel
+    if len(ids) == 1:
+        return flat.view(-1)[lo:lo + first.chunk_numel]
+    return flat.view(len(ids), first.numel)[:, lo:lo + first.chunk_numel]
 
 
 def coalesce_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor]

@@ -41,7 +41,7 @@ from .report import MemoryReport
 from .rowcopy import coalesce_copies, entry_buffer_views, entry_flat_views
 from .selection import SelectedEntry
 
-__all__ = ["ShardStorage", "holds_nonfinite"]
+__all__ = ["ShardStorage", "holds_nonfinite", "may_hold_nonfinite"]
 
 _FP32 = torch.float32
 
@@ -54,6 +54,15 @@ def holds_nonfinite(flat: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.bool, device=flat.device)
     low, high = torch.aminmax(flat)
     return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
+def may_hold_nonfinite(flat: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``flat``'s device: False proves every value finite; True may also mean
+    finite values whose sum overflows ([Note: non-finite check] in window.py). Its sum: an inf
+    or NaN makes every partial sum it enters inf or NaN, and nothing makes those finite again."""
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=flat.device)
+    return ~torch.isfinite(flat.sum())
 
 
 class ShardStorage:
@@ -148,13 +157,32 @@ class ShardStorage:
 
     # ---- reduced rows in, updated rows out -------------------------------------------------
 
+    def own_row(self, bucket: int) -> torch.Tensor | None:
+        """[Note: own row in the shard] (collectives.py): ``bucket``'s range of the gradient
+        shard, where this rank's row of the bucket is exactly that range (every chunk of the
+        row full, no padding; chunked layout) and the window has not accumulated the bucket
+        yet; else None."""
+        if not self.stale and bucket in self.written:
+            return None
+        runs = self.runs[bucket]
+        if self.layout.owned or len(runs) != 1 or runs[0][0] != 0 or \
+                runs[0][2] != self.layout.buckets[bucket].row_numel:
+            return None
+        start = runs[0][1]
+        return self.grad_shard[start:start + runs[0][2]]
+
     def accumulate(self, bucket: int, row: torch.Tensor) -> None:
-        """Add this rank's reduced row of ``bucket`` into the gradient shard."""
+        """Add this rank's reduced row of ``bucket`` into the gradient shard (a row that is
+        the shard's own range, ``own_row``, was reduced in place: nothing to copy)."""
         if self.stale:  # a new window: each bucket's first row is copied, not added to zeros
             self.written.clear()
             self.stale = False
         first = bucket not in self.written
         self.written.add(bucket)
+        if self.grad_shard.numel() and \
+                row.untyped_storage().data_ptr() == self.grad_shard.untyped_storage().data_ptr():
+            assert first, "a row reduced in the shard is the window's first of its bucket"
+            return
         for row_offset, shard_offset, numel in self.runs[bucket]:
             target = self.grad_shard[shard_offset:shard_offset + numel]
             if first:
@@ -222,6 +250,11 @@ class ShardStorage:
     def nonfinite(self) -> torch.Tensor:
         """0-dim bool on the device: does the reduced shard hold an inf or NaN?"""
         return holds_nonfinite(self.grad_shard)
+
+    def maybe_nonfinite(self) -> torch.Tensor:
+        """0-dim bool on the device: False proves the reduced shard finite (``nonfinite``
+        decides a True)."""
+        return may_hold_nonfinite(self.grad_shard)
 
     def nonfinite_virtuals(self) -> list[int]:
         """Virtual indices whose reduced chunk holds an inf or NaN (error path: reads)."""

@@ -29,6 +29,16 @@ Each rank records which (virtual) parameters received a gradient in the window; 
 the records. A parameter absent on every rank keeps ``grad=None`` on its segment, so torch's
 optimizer skips it: no update, no weight decay, no step count.
 
+[Note: non-finite check]
+The reduction point must know whether the reduced shard holds an inf or NaN. The agreement
+carries each rank's *sum test* (``may_hold_nonfinite``: the shard's sum is finite, which proves
+every value finite): one read pass that was faster in place than the min-and-max pass
+(``holds_nonfinite``), about 3 ms of a 195 ms step on workload f at world 2. A rank whose
+sum is not finite (a non-finite value, or finite values that overflow together) makes the
+agreed count positive; every rank of the group then runs the exact check and the group agrees
+its count in one more small all-reduce, so a sum that merely overflowed skips nothing. Writes
+into ``sz.grad_shard`` after the backward are seen, as the check reads the shard itself.
+
 [Note: a backward that raised]
 An exception inside backward (an OOM on one batch) leaves the micro-step open: its
 end-of-backward callback never runs. The next forward of the model notices (outside backward)
@@ -473,17 +483,17 @@ class ReductionWindow:
         recorded by the hook itself)."""
         ids = self.layout.entry_virtuals[t]
         # a row is present when it holds a value other than (+-)0: its max or min is
-        # non-zero (NaN counts). Two reductions, no full-size temporary (`ne(0)` made a
-        # bool copy of the gradient and took 7x as long); on the CPU the min only where the
-        # max is 0 (a row of gradient is rarely all <= 0): 0.34 against 0.70 ms on 256 x 8192
+        # non-zero (NaN counts). Reductions only, no full-size temporary (`ne(0)` made a
+        # bool copy of the gradient and took 7x as long)
         rows = grad.detach().reshape(len(ids), -1)
-        present = rows.amax(dim=1) != 0
-        if rows.device.type == "cpu":  # the min only of rows whose max is 0 (a host read)
-            zero = (~present).nonzero().flatten()
+        if rows.device.type == "cpu":  # [Note: row presence from a sample]
+            present = _row_sample(rows).amax(dim=(1, 2)) != 0
+            zero = (~present).nonzero().flatten()  # (a host read)
             if zero.numel():
-                present[zero] = rows.index_select(0, zero).amin(dim=1) != 0
+                rest = rows.index_select(0, zero)
+                present[zero] = (rest.amax(dim=1) != 0) | (rest.amin(dim=1) != 0)
         else:  # no host read inside backward
-            present |= rows.amin(dim=1) != 0
+            present = (rows.amax(dim=1) != 0) | (rows.amin(dim=1) != 0)
         self.micro_presence[ids[0]:ids[-1] + 1] |= present.to(_I64)
 
     def _on_unit_passed(self, u: int) -> None:
@@ -857,13 +867,9 @@ class ReductionWindow:
         vector[c.opened.start + r] = int(self.opened)
         vector[c.active] = self.window_active
         vector[c.weight] = weight
-        if phase == _PHASE_REDUCE:
-            nonfinite = self.storage.nonfinite()
-            for grad in self.late_grads.values():  # reduced after the agreement: see _reduce_late
-                nonfinite = nonfinite | holds_nonfinite(grad)
-            if host_nonfinite is not None:
-                nonfinite = nonfinite | (host_nonfinite.reshape(()) != 0)
-            vector[c.nonfinite] = nonfinite.to(_I64)
+        if phase == _PHASE_REDUCE:  # [Note: non-finite check]: the shard's sum test here
+            vector[c.nonfinite] = self._nonfinite(self.storage.maybe_nonfinite(),
+                                                  host_nonfinite).to(_I64)
             vector[c.presence] = self.window_presence
             vector[c.binding] = torch.tensor(self.bindings.problems(), dtype=_I64,
                                              device=self.comm.device)
@@ -893,7 +899,32 @@ class ReductionWindow:
         # freed here, on the training thread: gloo's work object, which still references the
         # vector, may otherwise drop the last reference on its worker thread ([Note: buffer pool])
         vector.untyped_storage().resize_(0)
+        if phase == _PHASE_REDUCE and values[c.nonfinite.start] > 0:
+            # agreed by every rank of the group, so every rank confirms (a rare collective)
+            values[c.nonfinite.start] = self._confirm_nonfinite(host_nonfinite)
         return values
+
+    def _nonfinite(self, shard: torch.Tensor, host_nonfinite: torch.Tensor | None
+                   ) -> torch.Tensor:
+        """This rank's non-finite flag from the shard's (``shard``), the late gradients' and
+        the host's (a GradScaler's unscale)."""
+        for grad in self.late_grads.values():  # reduced after the agreement: see _reduce_late
+            shard = shard | holds_nonfinite(grad)
+        if host_nonfinite is not None:
+            shard = shard | (host_nonfinite.reshape(()) != 0)
+        return shard
+
+    def _confirm_nonfinite(self, host_nonfinite: torch.Tensor | None) -> int:
+        """[Note: non-finite check] Some rank's sum test was positive: the exact check on
+        every rank, agreed in the group; the number of ranks that hold an inf or NaN."""
+        flag = self._nonfinite(self.storage.nonfinite(), host_nonfinite).to(_I64).reshape(1)
+        flag = flag.to(self.comm.device)
+        self.comm.what = "the reduction point's non-finite check"
+        try:
+            self.comm.all_reduce(flag)
+        finally:
+            self.comm.what = ""
+        return int(flag)
 
     def _after_agreement(self, values: list[int]) -> None:
         """What every rank does once a reduction point agreed without an error."""
@@ -1166,6 +1197,28 @@ class ReductionWindow:
     def fail(self, error: Exception) -> None:
         """Forget the window and raise ``error`` (the caller made sure every rank does)."""
         self._fail(error)
+
+
+# [Note: row presence from a sample]
+# On the CPU a fused tensor's rows are first looked at through a sample: PRESENCE_BLOCKS blocks
+# of PRESENCE_BLOCK elements spread over each row. A row whose sample holds anything but +-0
+# is present, whatever the rest holds; only the rows whose sample is all +-0 (absent experts,
+# or a gradient that happens to be zero there) are read whole, for their max and min. The
+# result is the full rule's, exactly (tests/test_row_presence.py puts the only non-zero
+# value outside the sample); the read is 1/32 of a row of 8,192: 0.035 against 0.27 ms on
+# 256 x 8,192 (hot), about 1.5 ms of a 195 ms step on workload f at world 2 (in-process A/B).
+PRESENCE_BLOCKS = 4
+PRESENCE_BLOCK = 64
+
+
+def _row_sample(rows: torch.Tensor) -> torch.Tensor:
+    """(rows, blocks, block) view of the sampled elements of each row of ``rows`` (2-D); a
+    short row whole."""
+    n, length = rows.shape
+    span = length // PRESENCE_BLOCKS
+    if span < 4 * PRESENCE_BLOCK:
+        return rows.unsqueeze(1)
+    return rows[:, :PRESENCE_BLOCKS * span].reshape(n, PRESENCE_BLOCKS, span)[:, :, :PRESENCE_BLOCK]
 
 
 def _accumulate_into(grads: dict[int, torch.Tensor], t: int, flat: torch.Tensor) -> None:
