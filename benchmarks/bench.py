@@ -25,7 +25,9 @@ Rows: ``ddp`` DDP + AdamW on everything; ``selzero`` selzero on the experts + DD
 DeepSpeed ZeRO-2 over the whole model; ``deepspeed-sz`` DeepSpeed ZeRO-2 with the
 ``"selected_zero2"`` entry; ``selzero-tensors`` selzero with ``partition="tensors"`` (each
 rank owns whole expert tensors; the same AdamW), whose step time the table also gives as a
-ratio to ``selzero``'s within each round.
+ratio to ``selzero``'s within each round; ``selzero-before`` the ``selzero`` row run with the
+package of another tree (``--before DIR``: a worktree of an earlier commit, first on the rank
+processes' ``sys.path``), for a before/after in the same rounds.
 
 Method. Modes are interleaved round-robin in fresh processes (ddp, selzero, ..., ddp, selzero,
 ...), so a busy machine slows a whole round alike; each figure is the median over rounds and
@@ -306,7 +308,18 @@ def selection(spec: dict[str, Any], bucket_mb: float = 25.0) -> dict[str, Any]:
 
 def _worker(rank: int, world: int, mode: str, spec: dict[str, Any], args: argparse.Namespace,
             init: str, out: str) -> None:
+    before = mode == "selzero-before"
+    if before:  # the earlier tree's package, before anything imports one
+        if not args.before:
+            raise SystemExit("mode selzero-before needs --before DIR (a worktree)")
+        sys.path.insert(0, str(Path(args.before).resolve()))
+        mode = "selzero"
     install_counters()  # before selzero / FSDP2 / DeepSpeed bind the collectives
+    if before:
+        import selzero_plugin
+        where = Path(selzero_plugin.__file__).resolve()
+        if not where.is_relative_to(Path(args.before).resolve()):
+            raise SystemExit(f"selzero-before imported {where}, not the package of {args.before}")
     import torch
     import torch.distributed as dist
 
@@ -779,6 +792,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--before", default="",
+                        help="a worktree of an earlier commit: its package runs mode selzero-before")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--replot", action="store_true",

@@ -2,7 +2,8 @@
 # The measurements behind docs/performance.md's "Many small experts" section, in one run on an
 # idle machine (nothing else running: every figure is a ratio within a round, but a busy
 # machine still moves them). Writes into benchmarks/results/. About 40 minutes on 2 cores.
-#   BEFORE=<commit>  also runs step_path.py against that commit (a worktree) for before/after
+#   BEFORE=<commit>  also runs step_path.py against that commit (a worktree) for before/after,
+#                    and bench.py's world-2 rounds with that commit's selzero as a third mode
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -19,10 +20,15 @@ if [ -n "${BEFORE:-}" ]; then
     (cd "$tree" && "$root/$PY" benchmarks/step_path.py --workload $w --rounds 11 \
       --out "$root/$R/step-path-$w-before.json")
   done
-  git worktree remove --force "$tree"
 fi
 # step time and memory beside DDP, modes interleaved, world 2 and world 4
-$PY benchmarks/bench.py --workloads c,e,f,a,d --modes ddp,selzero --rounds 3
+if [ -n "${BEFORE:-}" ]; then
+  $PY benchmarks/bench.py --workloads c,e,f,a,d --modes ddp,selzero,selzero-before \
+    --before "$tree" --rounds 3
+  git worktree remove --force "$tree"
+else
+  $PY benchmarks/bench.py --workloads c,e,f,a,d --modes ddp,selzero --rounds 3
+fi
 $PY benchmarks/bench.py --workloads c,e,f --modes ddp,selzero --rounds 2 --world 4 \
   --out $R/world4
 # the cost of scale, simulated on the fake process group

@@ -112,6 +112,13 @@ class SelZeroConfig:
         for pattern in self.params:
             _check_pattern(pattern)
 
+    @property
+    def launches_in_backward(self) -> bool:
+        """Do buckets launch (and finish) during the backward? ``overlap``, except under
+        ``reduction="sum"``, whose ranks' ``active`` flags are known only at the reduction
+        point (every bucket launches there)."""
+        return self.overlap and self.reduction != "sum"
+
     # ---- builders -------------------------------------------------------------------------
 
     @classmethod

@@ -233,3 +233,37 @@ def test_a_negative_tensor_weight_in_one_group_is_not_summed_into_the_other_grou
     assert [v["error"] for v in values] == ["UsageError", "UsageError",
                                             "UsageError/another group"], values
     assert all(v["changed"] == 0 for v in values), values
+
+
+def _mixed_calls(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 reaches a reduction point with an inf in its gradient, rank 1 calls
+    end_microstep(): the ranks must pair their collectives and raise the same error at once
+    (the exact check that confirms a positive sum test is run by every rank, whatever it
+    called: review finding), then go on together."""
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    sz = SelectedZero2(model, SelZeroConfig(params=["*"], nonfinite="skip", timeout_s=20),
+                       torch.optim.SGD, {"lr": 0.1})
+    x = torch.randn(3, 4)
+    (model(x).sum() * (float("inf") if rank == 0 else 1.0)).backward()
+    start = time.monotonic()
+    try:
+        sz.reduce_gradients() if rank == 0 else sz.end_microstep()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        raised = type(e).__name__
+    took = time.monotonic() - start
+    sz.zero_grad()
+    model(x).sum().backward()
+    result = sz.step()
+    sz.remove_hooks()
+    return {"raised": raised, "took": took, "updated": result.updated}
+
+
+def test_ranks_at_different_calls_with_an_inf_raise_together_at_once() -> None:
+    values = all_values(run_ranks(_mixed_calls, 2, timeout=120))
+    for value in values:
+        assert value["raised"] == "UsageError" and value["took"] < 10, values
+        assert value["updated"] == 4, values  # two weights, two biases

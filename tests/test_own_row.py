@@ -11,8 +11,13 @@ Steps: plain ones; two micro-steps reduced each (``end_microstep``: the second r
 bucket adds, from the buffer); ``no_sync`` then a reduced micro-step (two gradients per entry
 into the own row); and a step whose routing leaves an expert without tokens on every rank and
 in which one weight gets no gradient (zero-filled at its bucket's launch, own row included).
-The same under ``reduction="sum"`` with a rank inactive in one step (its buffer and own row
-zeroed at the launch).
+The same under ``reduction="sum"`` with a rank inactive in one step: buckets launch at the
+reduction point there, so no own row is used (below).
+
+Where buckets launch at the reduction point (``overlap=False``, ``reduction="sum"``) a write
+into ``sz.grad_shard`` between the backward and the reduction point is overwritten by the
+reduction, as before (no own row there: review finding); where they launch during the backward
+the shard is reduced when the backward returns and the write counts, on every rank alike.
 """
 
 from __future__ import annotations
@@ -150,4 +155,37 @@ def test_own_row_in_the_shard_is_bitwise_the_buffer_row(world: int, reduction: s
             # a window's first reduction of each bucket holds its own row apart; the second
             # micro-step's reductions (steps 1) add from the buffer
             first = total // (2 if step == 1 else 1)
-            assert own == (0 if padded else first), (rank, step, value["counts"])
+            expected = 0 if padded or reduction == "sum" else first
+            assert own == expected, (rank, step, value["counts"])
+
+
+def _write_run(rank: int, world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """One step with ``sz.grad_shard`` scaled between the backward and the reduction point, in
+    instances that may hold their own rows in the shard, beside one that never does."""
+    out = []
+    for own in (True, False):
+        torch.manual_seed(0)
+        model = Model()
+        saved = collectives.OWN_MIN_NUMEL
+        collectives.OWN_MIN_NUMEL = 0 if own else 1 << 62
+        try:
+            sz = SelectedZero2(model, {"params": ["layers.*"], "expert_dim": 0, **config},
+                               torch.optim.SGD, {"lr": 0.1})
+        finally:
+            collectives.OWN_MIN_NUMEL = saved
+        for step in range(2):  # the second window's shard holds the first one's values
+            x, routes = _batch(rank, step, 0)
+            model(x, routes).square().mean().backward()
+            sz.grad_shard.mul_(0.5)
+            sz.reduce_gradients()
+            out.append(sz.grad_shard.clone())
+            sz.step()
+        sz.remove_hooks()
+    return {"equal": all(torch.equal(a, b) for a, b in zip(out[:2], out[2:]))}
+
+
+@pytest.mark.parametrize("config", [{"overlap": False}, {"reduction": "sum"}, {}])
+def test_a_write_into_the_shard_before_the_reduction_point_is_the_same_with_own_rows(
+        config: dict[str, Any]) -> None:
+    for value in all_values(run_ranks(_write_run, 2, config, timeout=120)):
+        assert value["equal"], value

@@ -88,7 +88,12 @@ def _one_view_shape(layout: Layout, t: int) -> tuple[int, ...] | None:
 # before. The sums are the same, in the same order: bitwise the same shard. Only for buckets
 # whose entries average ``OWN_MIN_NUMEL`` elements or more: a gradient's copy is then two
 # (its own chunks, the rest), which on thousands of small experts costs more per step in
-# calls than the pass it saves.
+# calls than the pass it saves. And only where buckets launch during the backward (``own_rows``:
+# ``SelZeroConfig.launches_in_backward``), so that the shard holds nothing of this window's
+# before the backward returns: under ``overlap=False`` or ``reduction="sum"`` the hooks fill
+# the buckets during the backward and reduce them at the reduction point, and a write into
+# ``sz.grad_shard`` in between would land in the own chunks (review finding); there the first
+# reduction's row overwrites the shard, as before.
 OWN_MIN_NUMEL = 65536
 
 
@@ -162,7 +167,7 @@ class _Launched:
 
 class BucketCollectives:
     def __init__(self, comm: Communicator, layout: Layout, storage: ShardStorage, *,
-                 max_alive: int = 2) -> None:
+                 max_alive: int = 2, own_rows: bool = False) -> None:
         self.comm = comm
         self.layout = layout
         self.storage = storage
@@ -178,8 +183,8 @@ class BucketCollectives:
         # [Note: own row in the shard]: per bucket, the shard range that is this micro-step's
         # own row of its buffer, or None
         self.own: list[torch.Tensor | None] = [None] * len(layout.buckets)
-        self.own_ok = [comm.own_row_apart and not layout.owned and _large_entries(layout, b)
-                       for b in range(len(layout.buckets))]
+        self.own_ok = [own_rows and comm.own_row_apart and not layout.owned and
+                       _large_entries(layout, b) for b in range(len(layout.buckets))]
         self.entry_bucket = layout.entry_bucket
         # per entry: the shape that views its flat gradient as its one block of the bucket's
         # rows (every chunk full: the common case), or None (several views, rowcopy.py)
@@ -307,10 +312,8 @@ class BucketCollectives:
             if t not in self.filled[b]:  # no gradient this micro-step: zeros
                 for view in self._row_views(buffer, t, own):
                     view.zero_()
-        if zero_if is not None:
+        if zero_if is not None:  # (reduction="sum": launched at the reduction point, no own row)
             buffer.masked_fill_(zero_if, 0.0)
-            if own is not None:
-                own.masked_fill_(zero_if, 0.0)
         self.buffers[b] = None
         self.own[b] = None
         self.filled[b] = set()

@@ -214,7 +214,7 @@ class ReductionWindow:
         # sums a weight over the normalize_over ranks (when not the group), with a failure flag
         self.normalize_weight = normalize_weight
         self.control_comm = control_comm  # a second communicator of the group (zero_grad)
-        self.launches_in_backward = config.overlap and config.reduction != "sum"
+        self.launches_in_backward = config.launches_in_backward
         self.bucket_units = [sorted({units.of_entry[t] for t in spec.entries})
                              for spec in layout.buckets]
         device = comm.device
@@ -899,9 +899,11 @@ class ReductionWindow:
         # freed here, on the training thread: gloo's work object, which still references the
         # vector, may otherwise drop the last reference on its worker thread ([Note: buffer pool])
         vector.untyped_storage().resize_(0)
-        if phase == _PHASE_REDUCE and values[c.nonfinite.start] > 0:
-            # agreed by every rank of the group, so every rank confirms (a rare collective)
-            values[c.nonfinite.start] = self._confirm_nonfinite(host_nonfinite)
+        if values[c.nonfinite.start] > 0:  # agreed: every rank confirms, whatever it called
+            # (a rank at end_microstep beside one at a reduction point adds nothing; every
+            # rank then raises that they disagree: review finding)
+            values[c.nonfinite.start] = self._confirm_nonfinite(
+                host_nonfinite, mine=phase == _PHASE_REDUCE)
         return values
 
     def _nonfinite(self, shard: torch.Tensor, host_nonfinite: torch.Tensor | None
@@ -914,11 +916,14 @@ class ReductionWindow:
             shard = shard | (host_nonfinite.reshape(()) != 0)
         return shard
 
-    def _confirm_nonfinite(self, host_nonfinite: torch.Tensor | None) -> int:
+    def _confirm_nonfinite(self, host_nonfinite: torch.Tensor | None, *, mine: bool) -> int:
         """[Note: non-finite check] Some rank's sum test was positive: the exact check on
-        every rank, agreed in the group; the number of ranks that hold an inf or NaN."""
-        flag = self._nonfinite(self.storage.nonfinite(), host_nonfinite).to(_I64).reshape(1)
-        flag = flag.to(self.comm.device)
+        every rank of the group (``mine``: this rank is at a reduction point and has a shard
+        to check), agreed in the group; the number of ranks that hold an inf or NaN."""
+        flag = torch.zeros(1, dtype=_I64, device=self.comm.device)
+        if mine:
+            flag += self._nonfinite(self.storage.nonfinite(), host_nonfinite).to(
+                device=self.comm.device, dtype=_I64).reshape(1)
         self.comm.what = "the reduction point's non-finite check"
         try:
             self.comm.all_reduce(flag)

@@ -264,7 +264,8 @@ class SelectedZero2:
     def _build_parts(self, kwargs: dict[str, Any]) -> None:
         config, comm = self.config, self.comm
         self.storage = ShardStorage(self.layout, self.trainable, comm.rank, comm.device)
-        self.collectives = BucketCollectives(comm, self.layout, self.storage)
+        self.collectives = BucketCollectives(comm, self.layout, self.storage,
+                                             own_rows=config.launches_in_backward)
         if config.broadcast:
             self.collectives.broadcast([e.param.data for e in self.entries],
                                        int(config.bucket_mb * 2 ** 20))
