@@ -15,9 +15,9 @@ E = 6
 class Fused(nn.Module):
     num_experts = E  # opts in to the split ([Note: fused experts])
 
-    def __init__(self) -> None:
+    def __init__(self, row: tuple[int, int] = (3, 5)) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(E, 3, 5))
+        self.w = nn.Parameter(torch.randn(E, *row))
 
     def forward(self, scale: torch.Tensor) -> torch.Tensor:
         return (self.w * scale).sum()
@@ -56,25 +56,12 @@ def test_a_nan_row_is_present_and_non_finite():
     assert torch.equal(model.w, before)
 
 
-class LongRows(nn.Module):
-    """Rows of 4,096 elements: presence looks at a sample of each row first ([Note: row
-    presence from a sample] in window.py)."""
-    num_experts = E
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(E, 64, 64))
-
-    def forward(self, scale: torch.Tensor) -> torch.Tensor:
-        return (self.w * scale).sum()
-
-
 def test_row_presence_rule_outside_the_sample():
     """The only non-zero value of a row lies outside the sample (the row's last element, and
     the element just past a sampled block): the row is present all the same; so is a row whose
     sample holds zeros and a negative value elsewhere, and one with a NaN outside the sample."""
     torch.manual_seed(0)
-    model = LongRows()
+    model = Fused((64, 64))  # rows of 4,096: read through a sample first
     sz = SelectedZero2(model, {"params": ["w"], "expert_dim": 0, "nonfinite": "skip"},
                        torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
     scale = torch.zeros(E, 64, 64)

@@ -183,8 +183,8 @@ class BucketCollectives:
         # [Note: own row in the shard]: per bucket, the shard range that is this micro-step's
         # own row of its buffer, or None
         self.own: list[torch.Tensor | None] = [None] * len(layout.buckets)
-        self.own_ok = [own_rows and comm.own_row_apart and not layout.owned and
-                       _large_entries(layout, b) for b in range(len(layout.buckets))]
+        self.own_ok = [own_rows and comm.own_row_apart and _large_entries(layout, b)
+                       for b in range(len(layout.buckets))]  # (owned layouts: own_row says)
         self.entry_bucket = layout.entry_bucket
         # per entry: the shape that views its flat gradient as its one block of the bucket's
         # rows (every chunk full: the common case), or None (several views, rowcopy.py)
